@@ -1,0 +1,79 @@
+"""The reference's quantization simulations (quantize -> dequantize in the value domain).
+
+DeepSeek-V4 was trained with these in the loop (QAT), so the released model runs them at inference:
+FP8 e4m3 on the nope dims of window/compressed KV (block 64) and Hadamard + FP4 e2m1 on the
+indexer's queries and keys (block 32), both with power-of-two (E8M0) block scales (spec §6).
+
+Rounding is written with arithmetic (floor/log2/round) instead of dtype casts: it is bit-identical
+to torch's round-to-nearest-even casts (tests/test_quant_sim.py sweeps every code), and unlike
+an f32->f8 cast it lowers the same way on every IREE target (llvm-cpu flushes part of the e4m3
+subnormal band to zero and gfx942 has no native OCP e4m3; see iree-notes §5).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest OCP e4m3fn value (ties to even), saturating at +-448."""
+    x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    a = x.abs()
+    # exponent of the binade (e4m3: 3 mantissa bits, min normal 2^-6, subnormal step 2^-9)
+    e = torch.floor(torch.log2(a.clamp_min(2.0**-6)))
+    step = torch.exp2(e - 3)
+    return torch.round(x / step) * step
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest e2m1 value {0,.5,1,1.5,2,3,4,6} (ties to even), saturating at +-6."""
+    x = x.clamp(-E2M1_MAX, E2M1_MAX)
+    a = x.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.round(x / step) * step
+
+
+def pow2_block_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """The reference's E8M0 activation scale: 2^ceil(log2(amax / fmt_max))."""
+    return torch.exp2(torch.ceil(torch.log2(amax / fmt_max)))
+
+
+def fp8_qdq(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Per-`block` FP8 e4m3 quantize->dequantize of the last dim with pow2 scales (amax floor 1e-4)."""
+    shape, dtype = x.shape, x.dtype
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    s = pow2_block_scale(amax, E4M3_MAX)
+    return (round_to_e4m3(xb / s) * s).reshape(shape).to(dtype)
+
+
+def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Per-`block` FP4 e2m1 quantize->dequantize of the last dim with pow2 scales (amax floor 6*2^-126)."""
+    shape, dtype = x.shape, x.dtype
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126)
+    s = pow2_block_scale(amax, E2M1_MAX)
+    return (round_to_e2m1(xb / s) * s).reshape(shape).to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester (Walsh) ordered Hadamard matrix of size n (a power of two), float32, unnormalized."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform of the last dim (scale n^-0.5), fp32 math, input dtype out."""
+    n = x.shape[-1]
+    h = hadamard_matrix(n).to(x.device)
+    return (x.float() @ h * n**-0.5).to(x.dtype)
