@@ -1,0 +1,156 @@
+"""Corpus (CPython docs text) and byte-level BPE tokenizer: determinism, split, round trips."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsv4.model.corpus import DOC_SEPARATOR, build_corpus
+from dsv4.model.tokenizer import (
+    BOS_ID,
+    BOS_TOKEN,
+    EOS_ID,
+    EOS_TOKEN,
+    decode,
+    encode,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
+
+SMALL_VOCAB = 512
+EDGE_CASES = [
+    "",
+    " ",
+    "  leading and trailing  ",
+    "\n",
+    "\n\n\n",
+    "\t\ttabs\tinside\t",
+    "windows\r\nline\rendings\r\n",
+    "    def f(x):\n        return x  # indented code\n",
+    "naïve café — “quotes” ‘single’ … ß",
+    "e\u0301 (combining) vs \u00e9 (precomposed)",
+    "日本語のテキスト, 中文, 한국어",
+    "emoji 🙂👍🏽 and ZWJ 👨\u200d👩\u200d👧",
+    "\x00nul and \x7f del and \u200b zero width",
+    "numbers 1234567890 3.14159 -0x1F",
+    f"literal specials {BOS_TOKEN} and {EOS_TOKEN} stay text",
+    "ĠĊ (byte-level alphabet characters themselves)",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus()
+
+
+@pytest.fixture(scope="module")
+def small_train(corpus):
+    # A slice of the training documents keeps tokenizer training well under a second.
+    return list(corpus.train_docs[:300])
+
+
+@pytest.fixture(scope="module")
+def tok(small_train):
+    return train_tokenizer(small_train, vocab_size=SMALL_VOCAB)
+
+
+def test_corpus_deterministic(corpus, monkeypatch):
+    # Libraries patch the stdlib on import (torch replaces inspect.getfile); the default build
+    # reads docstrings in a fresh interpreter, so a patch in this process must not matter.
+    import textwrap
+
+    def dedent(text):
+        """A patched docstring that must not reach the corpus."""
+        return text
+
+    dedent.__module__ = "textwrap"
+    monkeypatch.setattr(textwrap, "dedent", dedent)
+    again = build_corpus()
+    assert again.sha256 == corpus.sha256
+    assert again.train_docs == corpus.train_docs and again.eval_docs == corpus.eval_docs
+    assert build_corpus(isolated=False).sha256 != corpus.sha256  # the patch is visible in-process
+
+
+def test_corpus_matches_reference_when_recorded(corpus):
+    if corpus.reference_sha256 is None:
+        pytest.skip(f"no reference hash recorded for Python {corpus.python_version}")
+    assert corpus.matches_reference
+
+
+def test_split_disjoint_and_sized(corpus):
+    assert not set(corpus.train_keys) & set(corpus.eval_keys)
+    assert not set(corpus.train_docs) & set(corpus.eval_docs)
+    for doc in corpus.eval_docs:
+        assert doc not in corpus.train_text  # not even as a substring
+    s = corpus.sizes
+    assert s["eval_docs"] >= 30 and s["eval_chars"] >= 20_000 and s["eval_words"] >= 3_000
+    assert s["train_chars"] >= 500_000
+    assert 0.02 <= s["eval_chars"] / (s["eval_chars"] + s["train_chars"]) <= 0.10
+    assert corpus.train_text.split(DOC_SEPARATOR) == list(corpus.train_docs)
+    assert corpus.eval_text.split(DOC_SEPARATOR) == list(corpus.eval_docs)
+
+
+def test_corpus_text_normalized(corpus):
+    for doc in corpus.train_docs + corpus.eval_docs:
+        assert doc and doc == doc.strip()
+        assert "\n\n\n" not in doc and "\t" not in doc and "\r" not in doc
+        assert all(line == line.rstrip() for line in doc.split("\n"))
+
+
+def test_tokenizer_round_trip(tok, corpus):
+    for text in list(corpus.eval_docs) + EDGE_CASES:
+        assert decode(tok, encode(tok, text)) == text, repr(text[:80])
+    assert decode(tok, encode(tok, corpus.eval_text)) == corpus.eval_text
+
+
+def test_special_ids_and_no_implicit_tokens(tok):
+    assert tok.token_to_id(BOS_TOKEN) == BOS_ID == 0
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID == 1
+    assert tok.get_vocab_size() == SMALL_VOCAB
+    assert tok.post_processor is None
+    ids = encode(tok, "hello world")
+    assert BOS_ID not in ids and EOS_ID not in ids
+    assert tok.encode("hello world").ids == ids  # the raw API adds nothing either
+    wrapped = encode(tok, "hello world", bos=True, eos=True)
+    assert wrapped == [BOS_ID, *ids, EOS_ID]
+    assert decode(tok, wrapped) == "hello world"
+    # A literal special-token string in user text is not turned into the control token.
+    assert EOS_ID not in encode(tok, f"x{EOS_TOKEN}y")
+
+
+def test_tokenizer_training_deterministic(small_train, tok, tmp_path):
+    a = save_tokenizer(tok, tmp_path / "a") / "tokenizer.json"
+    b = save_tokenizer(train_tokenizer(small_train, vocab_size=SMALL_VOCAB), tmp_path / "b")
+    assert a.read_bytes() == (b / "tokenizer.json").read_bytes()
+    assert (tmp_path / "a" / "tokenizer_config.json").read_bytes() == (
+        b / "tokenizer_config.json"
+    ).read_bytes()
+
+    # Another process (other hash seed, one Rayon thread) must give the same bytes.
+    code = (
+        "import sys\n"
+        "from dsv4.model.corpus import build_corpus\n"
+        "from dsv4.model.tokenizer import train_tokenizer, save_tokenizer\n"
+        f"docs = list(build_corpus().train_docs[:{len(small_train)}])\n"
+        f"save_tokenizer(train_tokenizer(docs, vocab_size={SMALL_VOCAB}), sys.argv[1])\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], check=True, env=env)
+    assert a.read_bytes() == (tmp_path / "c" / "tokenizer.json").read_bytes()
+
+
+def test_save_load(tok, tmp_path, corpus):
+    d = save_tokenizer(tok, tmp_path / "tok", model_max_length=512)
+    loaded = load_tokenizer(d)
+    assert load_tokenizer(d / "tokenizer.json").to_str() == loaded.to_str() == tok.to_str()
+    text = corpus.eval_docs[0]
+    assert encode(loaded, text) == encode(tok, text)
+    cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN
+    assert cfg["model_max_length"] == 512
+    assert cfg["add_bos_token"] is False and cfg["clean_up_tokenization_spaces"] is False
