@@ -1,18 +1,109 @@
-"""Linear layers over the checkpoint's weight formats (the FP8 block GEMM hook).
+"""Linear layers over the checkpoint's weight formats (the FP8 block GEMM hook, spec §6).
 
 `linear(x, weight, scale)` dispatches on the weight's storage dtype:
   - bf16/fp32 weight, scale None: a plain matmul in x's dtype;
   - FP8 (float8_e4m3fn / float8_e4m3fnuz) [N, K] with 128x128 block scales: fp8_block_linear;
-  - uint8 [N, K/2] packed MXFP4 with per-32 E8M0 scales: mxfp4_linear.
+  - uint8 (or the checkpoint's int8) [N, K/2] packed MXFP4 with per-32 E8M0 scales: mxfp4_linear.
+
+These are the torch references that eager runs and export lowers. They follow the reference
+kernels' numerics: the activation is quantized per token per 128-K block to e4m3 with a power-of-two
+scale, the weight is dequantized exactly (FP8/FP4 value x power-of-two scale is exact in fp32), and
+the GEMM accumulates in fp32. Applying the scales before the dot product instead of per 128-K
+partial sum (the reference's "2x accumulation") is the same math; only fp32 summation order differs.
+
+Export-friendly by construction: weight bytes are decoded with integer ops and a float32 bitcast
+(formats.fp8_decode / e2m1_decode), never a float8 -> float cast (which gfx942 cannot compile without
+the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values; shape checks use
+static shapes only.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from ..formats import (
+    FP8_BLOCK,
+    FP8_FORMATS,
+    MXFP4_BLOCK,
+    FormatError,
+    dequant_fp8_block,
+    dequant_mxfp4,
+)
+from ..quant_sim import E4M3_MAX, pow2_block_scale, round_to_e4m3
+
+__all__ = ["linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
+
+ACT_AMAX_FLOOR = 1e-4  # the reference act_quant's amax floor
+_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Activation quantize->dequantize as the reference's act_quant (spec §6), float32 out.
+
+    Per token, per `block` of the last dim: s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(x / s)
+    (RNE, saturating), returns q * s. A ragged last block is quantized over its own elements (zero
+    padding changes neither amax nor the result). The dequantized values are the same whether a
+    kernel stores q as e4m3fn or as e4m3fnuz with scale 2s (fnuz values are exactly fn values / 2).
+    """
+    k = x.shape[-1]
+    nblk = math.ceil(k / block)
+    xf = x.float()
+    if nblk * block != k:
+        xf = F.pad(xf, (0, nblk * block - k))
+    xb = xf.unflatten(-1, (nblk, block))
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR)
+    s = pow2_block_scale(amax, E4M3_MAX)
+    q = round_to_e4m3(xb / s) * s
+    return q.flatten(-2)[..., :k]
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
+
+    x [..., K] bf16/fp32; weight [N, K] float8_e4m3fn or float8_e4m3fnuz (decoded per its dtype);
+    scale [ceil(N/128), ceil(K/128)] E8M0 uint8 (or float8_e8m0fnu) or float32. fp32 GEMM, x.dtype out.
+    """
+    if weight.dtype not in FP8_FORMATS:
+        raise FormatError(f"fp8_block_linear: weight must be float8_e4m3fn/fnuz, got {weight.dtype}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_block_linear: x has K={x.shape[-1]}, weight is {tuple(weight.shape)}")
+    w = dequant_fp8_block(weight, scale, FP8_BLOCK)
+    return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
+
+
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
+
+    x [..., K]; packed uint8/int8 [N, K/2] (low nibble = element 2i); scale E8M0 uint8 [N, K/32].
+    The activation is FP8-quantized per 128-K block; the FP4 weight is decoded in-kernel with bit ops
+    and scaled per 32 (exact in fp32); fp32 accumulate; x.dtype out.
+    """
+    if packed.dtype not in (torch.uint8, torch.int8):
+        raise FormatError(f"mxfp4_linear: packed weight must be uint8/int8, got {packed.dtype}")
+    k = packed.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"mxfp4_linear: x has K={x.shape[-1]}, packed weight {tuple(packed.shape)} holds K={k}")
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"mxfp4_linear: K={k} is not a multiple of {MXFP4_BLOCK}")
+    w = dequant_mxfp4(packed, scale)
+    return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    if scale is None:
+    """Dispatch on the weight's storage dtype (see the module docstring); unknown combos raise TypeError."""
+    if weight.dtype in FP8_FORMATS:
+        if scale is None:
+            raise TypeError(f"linear: {weight.dtype} weight needs its block scale")
+        return fp8_block_linear(x, weight, scale)
+    if weight.dtype in (torch.uint8, torch.int8):
+        if scale is None:
+            raise TypeError("linear: packed MXFP4 (uint8/int8) weight needs its E8M0 scale")
+        return mxfp4_linear(x, weight, scale)
+    if weight.dtype in _PLAIN_DTYPES:
+        if scale is not None:
+            raise TypeError(f"linear: a scale was given for an unquantized {weight.dtype} weight")
         return F.linear(x, weight.to(x.dtype))
-    raise NotImplementedError(f"quantized weight dtype {weight.dtype} is not wired yet")
+    raise TypeError(f"linear: unsupported weight dtype {weight.dtype} (scale {None if scale is None else scale.dtype})")
