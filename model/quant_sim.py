@@ -75,5 +75,14 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Normalized Walsh-Hadamard transform of the last dim (scale n^-0.5), fp32 math, input dtype out."""
     n = x.shape[-1]
-    h = hadamard_matrix(n).to(x.device)
-    return (x.float() @ h * n**-0.5).to(x.dtype)
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    # log2(n) butterflies (fast Walsh-Hadamard, Sylvester order): only the static last dim is
+    # reshaped, which keeps torch.export free of guards on the symbolic leading dims
+    y, h = x.float(), 1
+    while h < n:
+        y = y.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], -2).flatten(-3)
+        h *= 2
+    return (y * n**-0.5).to(x.dtype)

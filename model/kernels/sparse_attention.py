@@ -1,0 +1,31 @@
+"""Sparse attention hook: gather the selected KV rows, sink-aware softmax, P·V (spec §2.2).
+
+One K=V head of width D shared by all H query heads. Each query attends to the rows of `kv` named
+by `idx` (-1 = no row). The attention sink adds exp(sink_h) to the softmax denominator and
+carries no value. Numerics as the reference kernel: fp32 scores and softmax, P rounded to the KV
+dtype before the P·V product, fp32 accumulation, output in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""
+    B, T, H, D = q.shape
+    K = idx.shape[-1]
+    valid = idx >= 0
+    batch = torch.arange(B, device=kv.device).view(B, 1, 1)
+    sel = kv[batch, idx.clamp_min(0)]  # [B,T,K,D]
+    # masked rows may hold anything (stale state): zero them so 0 * garbage cannot make NaN
+    sel = torch.where(valid[..., None], sel, torch.zeros((), dtype=sel.dtype))
+    s = torch.einsum("bthd,btkd->bthk", q.float(), sel.float()) * scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink.float()[None, None, :])       # the sink is always present
+    p = torch.exp(s - m[..., None])
+    den = p.sum(-1) + torch.exp(sink.float()[None, None, :] - m)
+    p = (p / den[..., None]).to(kv.dtype)
+    o = torch.einsum("bthk,btkd->bthd", p.float(), sel.float())
+    return o.to(q.dtype)

@@ -1,0 +1,621 @@
+"""DeepSeek-V4 in PyTorch, one forward for every call shape.
+
+`Transformer.forward(tokens [B,T], start_pos [B], lengths [B], slots [B], state)` runs T tokens of
+each sequence b at positions start_pos[b] .. start_pos[b] + T - 1, of which the first lengths[b]
+are real (the rest is padding and never reaches the state). The same code is prefill from 0,
+chunked prefill from any position, and batched one-token decode at different positions; the
+decode state (see state.py) is read for the batch's `slots` and written back in place.
+
+Written to be exported: no `.item()`, no Python branching on tensor values, static shapes that
+depend only on the config and T, every state write a whole-tensor `index_put_`.
+
+Numerics follow the reference (spec §6): bf16 activations, fp32 mHC/norm/gate/compressor math,
+fp32 logits. `dtype=torch.float32` runs the same graph in fp32 (used by consistency tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import quant_sim
+from .config import ModelConfig
+from .kernels.indexer import indexer_topk
+from .kernels.linear import linear
+from .kernels.moe import moe_experts, swiglu
+from .kernels.sparse_attention import sparse_attention
+from .kernels.topk import topk_indices
+from .state import LayerState, StateLayout
+
+__all__ = ["Transformer", "Batch", "rope_table"]
+
+FP8_BLOCK = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w in fp32, returned in x's dtype (weight kept fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W in the checkpoint's format.
+
+    quant=None: W in `dtype`. quant="fp8": W float8_e4m3fn [out, in] + `scale` [ceil(out/128),
+    ceil(in/128)] (uint8 E8M0, or float32 for -Base checkpoints). Low-bit weights stay low-bit;
+    kernels.linear dequantizes at use.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, quant: str | None = None,
+                 scale_dtype: torch.dtype = torch.uint8):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+        elif quant == "fp8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                       requires_grad=False)
+            sshape = (math.ceil(out_features / FP8_BLOCK), math.ceil(in_features / FP8_BLOCK))
+            self.scale = nn.Parameter(torch.empty(sshape, dtype=scale_dtype), requires_grad=False)
+        else:
+            raise ValueError(f"unknown linear quantization {quant!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.scale)
+
+
+def rope_table(rd: int, max_len: int, base: float, yarn: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, rd/2] (fp32) of the interleaved RoPE, with YaRN frequency ramp if given.
+
+    YaRN as DeepSeek-V4 uses it (spec §2.2): frequencies interpolated by a linear ramp between the
+    beta_fast and beta_slow correction dims; no magnitude (mscale) factor anywhere.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    if yarn and yarn["original_seq_len"] > 0:
+        L0, factor = yarn["original_seq_len"], yarn["factor"]
+
+        def corr(rot: float) -> float:
+            return rd * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(yarn["beta_fast"])), 0)
+        high = min(math.ceil(corr(yarn["beta_slow"])), rd - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B,S,(H,)rd] by cos/sin [B,S,rd/2]; fp32 math."""
+    if x.dim() == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    if inverse:
+        sin = -sin
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the trailing rd dims only (DeepSeek-V4 puts the rotary part last)."""
+    return torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos, sin, inverse)], -1)
+
+
+@dataclass
+class Batch:
+    """Per-call positions, shared by every layer. All int64 tensors."""
+
+    tokens: torch.Tensor  # [B,T]
+    start: torch.Tensor  # [B] position of tokens[:, 0]
+    lengths: torch.Tensor  # [B] real tokens per row
+    slots: torch.Tensor  # [B] state slot of each row (distinct)
+    pos: torch.Tensor  # [B,T]
+
+    @classmethod
+    def make(cls, tokens, start, lengths, slots) -> "Batch":
+        T = tokens.shape[1]
+        pos = start[:, None] + torch.arange(T, device=tokens.device)[None, :]
+        return cls(tokens, start, lengths, slots, pos)
+
+
+def ring_rows(q: torch.Tensor, start: torch.Tensor, ring: int, T: int) -> torch.Tensor:
+    """Row of position q in cat([ring (positions < start, slot q % ring), fresh chunk (T rows)])."""
+    s = start.view(-1, *([1] * (q.dim() - 1)))
+    rows = torch.where(q >= s, ring + q - s, torch.remainder(q, ring))
+    return rows.clamp(0, ring + T - 1)
+
+
+def ring_update(old: torch.Tensor, fresh: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """New ring [B,RS,F]: slot s takes the latest real fresh token whose position is = s mod RS."""
+    RS, T = old.shape[1], fresh.shape[1]
+    s = torch.arange(RS, device=old.device)[None, :]
+    last = (start + lengths - 1)[:, None]
+    q = last - torch.remainder(last - s, RS)  # latest position <= last in slot s
+    has = q >= start[:, None]
+    t = (q - start[:, None]).clamp(0, T - 1)
+    picked = torch.gather(fresh, 1, t[..., None].expand(-1, -1, fresh.shape[-1]))
+    return torch.where(has[..., None], picked, old)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B,N,F], rows [B,...] -> [B,...,F] (advanced indexing: no reshapes of symbolic dims)."""
+    b = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (rows.dim() - 1)))
+    return x[b, rows]
+
+
+def _set(state: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
+    """Whole-tensor in-place write (export records it as an update of the state argument)."""
+    state.index_put_(index, value.to(state.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of m tokens into one KV entry (spec §2.4).
+
+    Ratio 4 pools overlapping windows: entry j mixes window j-1 (first hd features) and window j
+    (last hd features), 2m slots in one softmax. Other ratios pool plain windows. Entry j exists once
+    token (j+1)m-1 is seen and is roped at position jm. Chunk-general: a call of T tokens completes
+    at most T//m + 1 entries; raw K and Z+ape of the last ring tokens are kept in the state.
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, hd: int, rotate: bool):
+        super().__init__()
+        self.ratio, self.hd, self.rotate = ratio, hd, rotate
+        self.rd = cfg.qk_rope_head_dim
+        self.quant_sim = cfg.quant_sim
+        self.overlap = ratio == 4
+        c = 2 if self.overlap else 1
+        self.ape = nn.Parameter(torch.zeros(ratio, c * hd, dtype=torch.float32))
+        # bf16 in the checkpoint, run in fp32 as the reference does
+        self.wkv = Linear(cfg.hidden_size, c * hd, torch.float32)
+        self.wgate = Linear(cfg.hidden_size, c * hd, torch.float32)
+        self.norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, b: Batch, ring_k: torch.Tensor, ring_z: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor):
+        """Returns (entries [B,E,hd], entry ids [B,E], completed [B,E], new ring_k, new ring_z)."""
+        m, hd = self.ratio, self.hd
+        B, T, _ = x.shape
+        RS = ring_k.shape[1]
+        xf = x.float()
+        k = self.wkv(xf)
+        z = self.wgate(xf) + self.ape[torch.remainder(b.pos, m)]
+        all_k, all_z = torch.cat([ring_k, k], 1), torch.cat([ring_z, z], 1)
+
+        E = T // m + 1
+        j = torch.div(b.start, m, rounding_mode="floor")[:, None] + torch.arange(E, device=x.device)
+        done = (j + 1) * m <= (b.start + b.lengths)[:, None]
+        cur = j[..., None] * m + torch.arange(m, device=x.device)  # [B,E,m] positions of window j
+        kc = gather_rows(all_k, ring_rows(cur, b.start, RS, T))
+        zc = gather_rows(all_z, ring_rows(cur, b.start, RS, T))
+        if self.overlap:
+            prev = cur - m
+            ok = (prev >= 0)[..., None]
+            kp = gather_rows(all_k, ring_rows(prev, b.start, RS, T))[..., :hd]
+            zp = gather_rows(all_z, ring_rows(prev, b.start, RS, T))[..., :hd]
+            kp = torch.where(ok, kp, 0.0)
+            zp = torch.where(ok, zp, float("-inf"))
+            kc = torch.cat([kp, kc[..., hd:]], 2)
+            zc = torch.cat([zp, zc[..., hd:]], 2)
+        pooled = (kc * zc.softmax(dim=2)).sum(2)  # [B,E,hd] fp32
+
+        ent = self.norm(pooled.to(x.dtype))
+        jp = (j * m).clamp(max=cos.shape[0] - 1)
+        ent = rope_tail(ent, self.rd, cos[jp], sin[jp])
+        if self.quant_sim:
+            if self.rotate:  # indexer keys: Hadamard then FP4 over all dims
+                ent = quant_sim.fp4_qdq(quant_sim.hadamard(ent), 32)
+            else:  # attention KV: FP8 on the nope dims, rope dims untouched
+                ent = torch.cat([quant_sim.fp8_qdq(ent[..., :-self.rd], 64), ent[..., -self.rd:]], -1)
+        elif self.rotate:
+            ent = quant_sim.hadamard(ent)
+        new_k = ring_update(ring_k, k, b.start, b.lengths)
+        new_z = ring_update(ring_z, z, b.start, b.lengths)
+        return ent, j, done, new_k, new_z
+
+
+def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor, j: torch.Tensor,
+                   done: torch.Tensor) -> None:
+    """Store completed entries at row j; uncompleted ones go to the scratch (last) row."""
+    scratch = cache.shape[2] - 1
+    rows = torch.where(done, j, scratch).clamp(0, scratch)
+    slots = b.slots[:, None].expand_as(rows)
+    _set(cache, (slots, torch.full_like(rows, group), rows), ent)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of CSA layers: picks index_topk compressed entries per query (spec §2.6)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: str | None):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rd, self.topk, self.quant_sim = cfg.qk_rope_head_dim, cfg.index_topk, cfg.quant_sim
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, quant)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
+        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True)
+
+    def forward(self, x, qr, b: Batch, st: LayerState, state: dict, cos_q, sin_q, cos, sin) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rope_tail(q, self.rd, cos_q, sin_q)
+        q = quant_sim.hadamard(q)
+        if self.quant_sim:
+            q = quant_sim.fp4_qdq(q, 32)
+        g = torch.full_like(b.slots, st.group)
+        ring_k = state["idx_cmp_kv_r4"][b.slots, st.group]
+        ring_z = state["idx_cmp_score_r4"][b.slots, st.group]
+        ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos, sin)
+        _set(state["idx_cmp_kv_r4"], (b.slots, g), new_k)
+        _set(state["idx_cmp_score_r4"], (b.slots, g), new_z)
+        _write_entries(state["idx_kv_r4"], b, st.group, ent, j, done)
+        keys = state["idx_kv_r4"][b.slots, st.group][:, :-1]  # [B,R,di] (scratch row dropped)
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        n_vis = torch.div(b.pos + 1, 4, rounding_mode="floor")
+        return indexer_topk(q, w, keys.to(q.dtype), n_vis, self.topk)
+
+
+class Attention(nn.Module):
+    """Single-head-KV (K = V, 512-d) attention with sink, sliding window, and CSA/HCA (spec §2.2-2.7)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None):
+        super().__init__()
+        c = cfg
+        self.H, self.D, self.rd, self.eps = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim, c.rms_norm_eps
+        self.G, self.o_lora, self.W = c.o_groups, c.o_lora_rank, c.sliding_window
+        self.ratio = c.compress_ratios[layer]
+        self.quant_sim = c.quant_sim
+        self.scale = self.D**-0.5
+        self.attn_sink = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype, quant)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, self.H * self.D, dtype, quant)
+        self.wkv = Linear(c.hidden_size, self.D, dtype, quant)
+        self.kv_norm = RMSNorm(self.D, c.rms_norm_eps)
+        # FP8 in the checkpoint, dequantized to bf16 as the reference's convert.py does
+        self.wo_a = Linear(self.H * self.D // self.G, self.G * self.o_lora, dtype)
+        self.wo_b = Linear(self.G * self.o_lora, c.hidden_size, dtype, quant)
+        if self.ratio:
+            self.compressor = Compressor(c, self.ratio, self.D, rotate=False)
+        if self.ratio == 4:
+            self.indexer = Indexer(c, dtype, quant)
+
+    def forward(self, x: torch.Tensor, b: Batch, st: LayerState, state: dict, rope: dict) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D, rd, W = self.H, self.D, self.rd, self.W
+        cos_t, sin_t = rope["cos"], rope["sin"]
+        pos = b.pos.clamp(0, cos_t.shape[0] - 1)
+        cos, sin = cos_t[pos], sin_t[pos]
+
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (H, D))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
+        q = rope_tail(q, rd, cos, sin)
+
+        kv = rope_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
+        if self.quant_sim:
+            kv = torch.cat([quant_sim.fp8_qdq(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+
+        # sliding window: the W positions p-W+1..p, read from the ring (before this call) or the chunk
+        ring = state["win_kv"][b.slots, st.window]
+        qpos = b.pos[..., None] - torch.arange(W, device=x.device)  # [B,T,W]
+        idx = torch.where(qpos >= 0, ring_rows(qpos, b.start, W, T), -1)
+        sources = [ring, kv]
+
+        if self.ratio:
+            m = self.ratio
+            name = f"r{m}"
+            g = torch.full_like(b.slots, st.group)
+            ring_k = state[f"cmp_kv_{name}"][b.slots, st.group]
+            ring_z = state[f"cmp_score_{name}"][b.slots, st.group]
+            ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos_t, sin_t)
+            _set(state[f"cmp_kv_{name}"], (b.slots, g), new_k)
+            _set(state[f"cmp_score_{name}"], (b.slots, g), new_z)
+            _write_entries(state[f"kv_{name}"], b, st.group, ent, j, done)
+            cache = state[f"kv_{name}"][b.slots, st.group]  # [B,R+1,D], entries of this call included
+            R = cache.shape[1] - 1
+            if m == 4:
+                sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
+            else:  # HCA: every visible entry
+                n_vis = torch.div(b.pos + 1, m, rounding_mode="floor")
+                e = torch.arange(R, device=x.device)
+                sel = torch.where(e < n_vis[..., None], e, -1)
+            idx = torch.cat([idx, torch.where(sel >= 0, W + T + sel, -1)], -1)
+            sources.append(cache.to(kv.dtype))
+
+        o = sparse_attention(q, torch.cat(sources, 1), idx, self.attn_sink, self.scale)
+        o = rope_tail(o, rd, cos, sin, inverse=True)  # de-rotate with the query's position
+        o = o.reshape(B, T, self.G, H * D // self.G)
+        wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
+        o = torch.einsum("btgk,grk->btgr", o, wo_a)
+        out = self.wo_b(o.flatten(2))
+
+        _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
+             ring_update(ring, kv, b.start, b.lengths))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+
+
+class Gate(nn.Module):
+    """sqrtsoftplus scores; top-k of score + bias (or a fixed tid2eid table on hash layers)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.k, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.hash = cfg.is_hash_layer(layer)
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        if self.hash:
+            self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, self.k, dtype=torch.int64), requires_grad=False)
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        if self.hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = topk_indices(s + self.bias, self.k)  # the bias steers selection only
+        w = s.gather(-1, idx)
+        return w / w.sum(-1, keepdim=True) * self.scale, idx
+
+
+class Expert(nn.Module):
+    """The shared expert: clamped SwiGLU (current official code clamps it, spec §7.1)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: str | None):
+        super().__init__()
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.limit = cfg.swiglu_limit
+        self.w1 = Linear(d, inter, dtype, quant)
+        self.w2 = Linear(inter, d, dtype, quant)
+        self.w3 = Linear(d, inter, dtype, quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked [E, out, in] (packed MXFP4 [E, out, in/2] + E8M0 [E, out, in/32])."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str | None):
+        super().__init__()
+        E, d, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.limit = cfg.swiglu_limit
+        for name, (o, i) in {"w1": (inter, d), "w2": (d, inter), "w3": (inter, d)}.items():
+            if fmt is None:
+                setattr(self, name, nn.Parameter(torch.empty(E, o, i, dtype=dtype)))
+                self.register_parameter(f"{name}_scale", None)
+            elif fmt == "fp4":
+                setattr(self, name, nn.Parameter(torch.empty(E, o, i // 2, dtype=torch.uint8), requires_grad=False))
+                setattr(self, f"{name}_scale",
+                        nn.Parameter(torch.empty(E, o, i // 32, dtype=torch.uint8), requires_grad=False))
+            elif fmt == "fp8":
+                setattr(self, name, nn.Parameter(torch.empty(E, o, i, dtype=torch.float8_e4m3fn), requires_grad=False))
+                setattr(self, f"{name}_scale", nn.Parameter(
+                    torch.empty(E, math.ceil(o / FP8_BLOCK), math.ceil(i / FP8_BLOCK), dtype=torch.float32),
+                    requires_grad=False))
+            else:
+                raise ValueError(f"unknown expert format {fmt!r}")
+
+    def forward(self, x, weights, indices):
+        return moe_experts(x, weights, indices, self.w1, self.w1_scale, self.w2, self.w2_scale,
+                           self.w3, self.w3_scale, self.limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None, expert_fmt: str | None):
+        super().__init__()
+        self.gate = Gate(cfg, layer, dtype)
+        self.experts = Experts(cfg, dtype, expert_fmt)
+        self.shared_experts = Expert(cfg, dtype, quant)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        w, idx = self.gate(xf, ids.reshape(-1))
+        y = self.experts(xf, w, idx) + self.shared_experts(xf).float()
+        return y.to(x.dtype).view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC and blocks
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
+           norm_eps: float):
+    """Collapse the n streams for a sub-layer; returns (input [B,T,d], post [B,T,n], comb [B,T,n,n])."""
+    n = h.shape[2]
+    xf = h.flatten(2).float()
+    mix = F.linear(xf, fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    comb = comb.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):  # Sinkhorn: rows then columns
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    y = (pre[..., None] * h.float()).sum(2)
+    return y.to(h.dtype), post, comb
+
+
+def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k f + sum_j comb[j, k] res_j (contracting comb's FIRST index)."""
+    y = post[..., None] * f[:, :, None, :].float() + torch.einsum("btjk,btjd->btkd", comb, res.float())
+    return y.to(f.dtype)
+
+
+def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final sigmoid-weighted collapse of the streams (no Sinkhorn, no post)."""
+    xf = h.flatten(2).float()
+    mix = F.linear(xf, fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix * scale + base) + eps
+    return (pre[..., None] * h.float()).sum(2).to(h.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None,
+                 expert_fmt: str | None):
+        super().__init__()
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.iters, self.hc_eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.rope_kind = "compressed" if cfg.compress_ratios[layer] else "window"
+        self.attn = Attention(cfg, layer, dtype, quant)
+        self.ffn = MoE(cfg, layer, dtype, quant, expert_fmt)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        mix = (2 + n) * n
+        for kind in ("attn", "ffn"):
+            setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, n * d, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def forward(self, h: torch.Tensor, b: Batch, st: LayerState, state: dict, rope: dict,
+                ids: torch.Tensor) -> torch.Tensor:
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.iters,
+                               self.hc_eps, self.norm_eps)
+        h = hc_post(self.attn(self.attn_norm(x), b, st, state, rope[self.rope_kind]), h, post, comb)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.iters,
+                               self.hc_eps, self.norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(x), ids), h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction (mtp.k): predicts token t+2 from the backbone's last streams at t
+    and the embedding of token t+1 (spec §2.10); shares embed and head with the model."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None,
+                 expert_fmt: str | None):
+        super().__init__(cfg, layer, dtype, quant, expert_fmt)
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = Linear(d, d, dtype, quant)
+        self.h_proj = Linear(d, d, dtype, quant)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * d, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4: embed -> n streams -> blocks (mHC) -> hc_head -> norm -> head (+ MTP blocks).
+
+    `quantized=True` holds linears as in the released checkpoint (FP8 + E8M0 block scales,
+    routed experts in the config's expert_dtype); `False` holds every weight in `dtype`.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized: bool = False):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        quant = "fp8" if quantized and cfg.quantization_config else None
+        expert_fmt = cfg.expert_dtype if quantized and cfg.expert_dtype in ("fp4", "fp8") else None
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.layout = StateLayout(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, quant, expert_fmt) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.float32)  # fp32 logits
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * d, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, quant, expert_fmt) for k in range(cfg.n_mtp))
+        rd = cfg.qk_rope_head_dim
+        for kind, base, yarn in (("window", cfg.rope_theta, None), ("compressed", cfg.compress_rope_theta, cfg.yarn)):
+            cos, sin = rope_table(rd, cfg.max_seq_len, base, yarn)
+            self.register_buffer(f"rope_{kind}_cos", cos, persistent=False)
+            self.register_buffer(f"rope_{kind}_sin", sin, persistent=False)
+
+    def _rope(self) -> dict:
+        return {k: {"cos": getattr(self, f"rope_{k}_cos"), "sin": getattr(self, f"rope_{k}_sin")}
+                for k in ("window", "compressed")}
+
+    def hidden(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+               state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Backbone streams after the last block, [B,T,n,d] (what MTP consumes)."""
+        b = Batch.make(tokens, start_pos, lengths, slots)
+        rope = self._rope()
+        h = self.embed(tokens)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, b, self.layout.layers[i], state, rope, tokens)
+        return h
+
+    def logits(self, h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, head_params=None,
+               norm: RMSNorm | None = None) -> torch.Tensor:
+        fn, base, scale = head_params or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
+        if not all_logits:  # only each row's last real position
+            last = (lengths - 1).clamp(min=0)
+            h = torch.gather(h, 1, last.view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:]))
+        x = (norm or self.norm)(hc_head(h, fn, scale, base, self.cfg.hc_eps, self.cfg.rms_norm_eps))
+        out = F.linear(x.float(), self.head.weight)
+        return out if all_logits else out[:, 0]
+
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                state: dict[str, torch.Tensor], all_logits: bool = False) -> torch.Tensor:
+        """fp32 logits: [B,V] at each row's last real token, or [B,T,V] with all_logits."""
+        h = self.hidden(tokens, start_pos, lengths, slots, state)
+        return self.logits(h, lengths, all_logits)
+
+    def mtp_logits(self, h: torch.Tensor, next_tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor,
+                   slots: torch.Tensor, state: dict[str, torch.Tensor], k: int = 0,
+                   all_logits: bool = False) -> torch.Tensor:
+        """MTP block k: logits for token t+2 from backbone streams h at t and the ids of t+1."""
+        blk = self.mtp[k]
+        b = Batch.make(next_tokens, start_pos, lengths, slots)
+        e = blk.enorm(self.embed(next_tokens))
+        x = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).to(self.dtype)
+        x = blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, self._rope(), next_tokens)
+        return self.logits(x, lengths, all_logits, (blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale), blk.norm)
+
+
+@torch.no_grad()
+def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Random weights in the spirit of HF's _init_weights (spec §5.2); float weights only."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dtype in (torch.uint8, torch.float8_e4m3fn):
+            raise ValueError("init_random fills float weights; build the model with quantized=False")
+        if leaf == "tid2eid":
+            p.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                                 for _ in range(cfg.vocab_size)]))
+        elif name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
+            p.fill_(1.0)
+        elif leaf.endswith("_base") or leaf in ("attn_sink", "ape", "bias"):
+            p.zero_()
+        else:
+            p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
+    return model
