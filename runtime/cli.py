@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompt-ids", type=_ids, default=[0, 17, 42, 7, 99, 3, 256, 12])
     e.add_argument("--max-new-tokens", type=int, default=16)
     e.set_defaults(fn=cmd_eager)
+    __import__("dsv4.runtime.commands", fromlist=["add_parsers"]).add_parsers(sub)  # generate, score
     args = p.parse_args(argv)
     try:
         return args.fn(args)

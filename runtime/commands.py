@@ -1,0 +1,132 @@
+"""`dsv4 generate` and `dsv4 score`: the compiled model from the command line.
+
+Torch-free (numpy + iree.runtime + tokenizers), so these work on a host with only the
+iree-base-runtime wheel. Bad requests and broken exports print one error line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parsers", "cmd_generate", "cmd_score"]
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _fail(cmd: str, err: Exception) -> int:
+    print(f"dsv4 {cmd}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation of the prompt (text to stdout as it is produced, or one JSON object)."""
+    from .engine import Engine, EngineError, RequestError
+    from .sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
+                                ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        return _fail("generate", e)
+    try:
+        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
+        if args.prompt_ids is not None:
+            prompt: Any = args.prompt_ids
+        elif args.chat:
+            prompt = eng.apply_chat_template([{"role": "user", "content": args.prompt}])
+        else:
+            if not args.prompt:
+                raise RequestError("prompt is empty")
+            prompt = args.prompt
+        chunks = eng.stream(prompt, params, add_bos=not args.no_bos)
+        rid = None
+        show_text = eng.tokenizer is not None and not args.json
+        first = True
+        for ch in chunks:
+            rid = ch.request_id
+            if args.json:
+                continue
+            if show_text:
+                sys.stdout.write(ch.text)
+            else:  # no tokenizer: stream the ids
+                sys.stdout.write(("" if first else ",") + str(ch.token))
+            first = False
+            sys.stdout.flush()
+        res = eng.result(rid)
+    except EngineError as e:
+        return _fail("generate", e)
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(res.tokens)} tokens, stop: {res.stop_reason}, ttft {res.ttft_s * 1e3:.1f} ms"
+              + (f", {1.0 / res.tpot_s:.1f} tok/s" if res.tpot_s else "") + f", seed {res.seed}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Per-token log-probabilities and perplexity of a text or id sequence."""
+    from .engine import Engine, EngineError, RequestError
+
+    try:
+        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
+        if args.prompt_ids is not None:
+            ids: Any = args.prompt_ids
+        else:
+            if not args.text:
+                raise RequestError("text is empty")
+            ids = args.text
+        res = eng.score(ids, add_bos=not args.no_bos)
+    except EngineError as e:
+        return _fail("score", e)
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        for t, lp in zip(res.tokens, res.logprobs):
+            piece = repr(eng.decode([t])) if eng.tokenizer is not None else ""
+            print(f"{t:>8} {'' if lp is None else f'{lp:10.4f}':>10} {piece}")
+        print(f"perplexity {res.perplexity:.4f} over {len(res.tokens) - 1} predicted tokens")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("export_dir", metavar="OUT", help="export directory (config.json, model.irpa, vmfb)")
+    p.add_argument("--device", default="local-task", choices=["local-task", "local-sync", "cuda", "hip"])
+    p.add_argument("--device-index", type=int, default=0)
+    p.add_argument("--no-bos", action="store_true", help="do not prepend bos to a text prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register `generate` and `score` on the `dsv4` command's subparsers."""
+    g = subparsers.add_parser("generate", help="continue a prompt with a compiled export (torch-free)")
+    _common(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the export's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as given")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (needs jinja2)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+
+    s = subparsers.add_parser("score", help="log-probabilities and perplexity with a compiled export")
+    _common(s)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text")
+    src.add_argument("--prompt-ids", type=_ids)
+    s.set_defaults(fn=cmd_score)

@@ -1,0 +1,126 @@
+"""Host-side token selection: greedy, temperature, top-k, top-p, with a numpy Generator per request.
+
+Why on the host: the compiled modules return fp32 logits (and their argmax), and sampling a few
+thousand logits in numpy costs microseconds next to a decode step; keeping it here means one
+vmfb serves every sampling setting. Why one Generator per request: a request's draws then
+depend only on its own seed and its own logits, never on which other requests share the decode
+batch, so batched and solo runs give the same tokens.
+
+Everything is computed in float64 so the distribution does not depend on summation order.
+Order of the filters (the usual one): temperature scales the logits, top-k keeps the k largest,
+top-p keeps the smallest prefix (by descending probability) whose mass reaches p, then one
+uniform draw picks a token from the renormalised remainder. Ties are broken by the lower token id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["SamplingParams", "sampling_distribution", "sample_token", "make_rng"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy (argmax, no randomness). top_k 0 and top_p 1.0 disable those
+    filters. seed None draws fresh OS entropy (recorded on the result so the run can be repeated).
+    stop strings end generation when they appear in the decoded continuation (the text is cut
+    before them); stop_token_ids add to the export's eos ids unless ignore_eos.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # normalise list inputs so the dataclass stays hashable/frozen
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field (callers turn it into their own error type)."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def make_rng(seed: int | None) -> tuple[np.random.Generator, int]:
+    """A private Generator for one request and the seed that reproduces it."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return np.random.Generator(np.random.PCG64(seed)), seed
+
+
+def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids in descending-probability order, their renormalised float64 probabilities)."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1) / temperature
+    # descending order, ties by lower id (stable sort of the negated values)
+    order = np.argsort(-x, kind="stable")
+    if top_k and top_k < x.size:
+        order = order[:top_k]
+    kept = x[order]
+    p = np.exp(kept - kept[0])
+    p /= p.sum()
+    if top_p < 1.0:
+        # keep tokens until the mass *before* them reaches top_p (the first one is always kept)
+        n = min(int(np.searchsorted(np.cumsum(p), top_p, side="left")) + 1, p.size)
+        order, p = order[:n], p[:n] / p[:n].sum()
+    return order, p
+
+
+def sampling_distribution(logits: np.ndarray, temperature: float, top_k: int = 0,
+                          top_p: float = 1.0) -> np.ndarray:
+    """Float64 probabilities over the vocabulary after temperature, top-k and top-p.
+
+    Exposed so tests can compare the sampler against an independent reference.
+    """
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    out = np.zeros_like(x)
+    if temperature <= 0 or top_k == 1:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    order, p = _filtered(x, temperature, top_k, top_p)
+    out[order] = p
+    return out
+
+
+def sample_token(logits: np.ndarray | None, params: SamplingParams, rng: np.random.Generator,
+                 argmax: int | None = None) -> int:
+    """Pick the next token. Greedy uses the device argmax when given (no logits transfer needed).
+
+    Sampling consumes exactly one uniform draw per token, so a request's stream of draws is fixed
+    by its seed alone.
+    """
+    if params.greedy:
+        if argmax is not None:
+            return int(argmax)
+        return int(np.argmax(np.asarray(logits)))
+    if logits is None:
+        raise ValueError("sampling needs logits")
+    order, p = _filtered(logits, params.temperature, params.top_k, params.top_p)
+    cum = np.cumsum(p)
+    u = rng.random() * cum[-1]
+    i = min(int(np.searchsorted(cum, u, side="right")), len(order) - 1)
+    return int(order[i])
