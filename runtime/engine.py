@@ -533,8 +533,12 @@ class Engine:
     # ---- loading helpers -------------------------------------------------------------------
     def _zeros(self, s: StateSpec):
         storage, et = _DTYPES[s.dtype]
-        host = np.zeros(s.shape, dtype=storage)
-        return self._rt.asdevicearray(self.hal_device, host, element_type=getattr(self._rt.HalElementType, et))
+        host = np.zeros(s.shape, dtype=storage)  # bf16/fp8 are stored as same-width integers
+        # asdevicearray ignores element_type (it maps the numpy dtype), so build the view here
+        bv = self.hal_device.allocator.allocate_buffer_copy(
+            memory_type=self._rt.MemoryType.DEVICE_LOCAL, allowed_usage=self._rt.BufferUsage.DEFAULT,
+            device=self.hal_device, buffer=host, element_type=getattr(self._rt.HalElementType, et))
+        return self._rt.DeviceArray(self.hal_device, bv, override_dtype=host.dtype)
 
     def _fn(self, name: str):
         inv = self._invokers.get(name)
@@ -553,8 +557,8 @@ class Engine:
         if hasattr(res, "to_host"):
             res = res.to_host()
         a = np.asarray(res)
-        if a.dtype.kind in "iu" and a.ndim == 1 and a.dtype.itemsize == 1:
-            return bytes(a.astype(np.uint8)).rstrip(b"\0").decode("utf-8", "replace")
+        if a.dtype.kind in "iu" and a.ndim == 1 and a.size > 1 and a.min() >= 0 and a.max() < 256:
+            return bytes(a.astype(np.uint8)).rstrip(b"\0").decode("utf-8", "replace")  # a string's bytes
         if a.size == 1:
             v = a.reshape(()).item()
             return str(int(v)) if isinstance(v, (int, np.integer)) else str(v)
