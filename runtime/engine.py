@@ -807,12 +807,16 @@ class Engine:
         The final GenerationResult is available afterwards from ``result(chunk.request_id)``.
         """
         rid = self.submit(prompt, params, add_bos=add_bos, **kw)
-        while True:
-            for ev in self.step():
-                if ev.request_id == rid:
-                    yield ev
-                    if ev.finished:
-                        return
+        done = False
+        try:
+            while not done:
+                for ev in self.step():
+                    if ev.request_id == rid:
+                        done = ev.finished
+                        yield ev
+        finally:
+            if not done:  # the consumer stopped early: release the slot
+                self.cancel(rid)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  add_bos: bool = True, **kw: Any) -> GenerationResult:

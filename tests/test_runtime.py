@@ -637,6 +637,11 @@ def test_toy_stop_token_and_strings(toy_engine) -> None:
     # streamed text of an unstopped run is the whole text
     chunks = list(toy_engine.stream(p, max_new_tokens=30, ignore_eos=True))
     assert "".join(c.text for c in chunks) == full.text
+    # abandoning a stream releases its slot
+    it = toy_engine.stream(p, max_new_tokens=30, ignore_eos=True)
+    next(it), next(it)
+    it.close()
+    assert not toy_engine.has_work and toy_engine.slots.n_free == TOY_SLOTS
 
 
 def test_toy_text_prompt_and_chat(toy_engine) -> None:
