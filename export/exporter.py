@@ -1,0 +1,387 @@
+"""Export the DeepSeek-V4 model to IREE: MLIR (iree-turbine), vmfb per target, .irpa, config.json.
+
+`export_model` builds one module with these entry points (all integers int64):
+
+* ``prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], *state) -> (logits f32[N,V], argmax i64[N])``
+  with T dynamic in [min_tokens, max_tokens] (min = the largest compression ratio: below it
+  torch.export specializes the chunk-size arithmetic);
+* ``decode_bs{N}(tokens[N,1], ...same...) -> (logits, argmax)``;
+* ``score_bs1(tokens[1,T], ...) -> logprobs f32[1,T]``, logprobs[t] = log p(tokens[t+1] | tokens[<=t])
+  for t < lengths-1, 0 elsewhere (the runtime overlaps chunks by one token);
+* ``export_id() -> i64[32]``: the bytes of config.json's ``export_id`` (a uuid hex string), so a
+  runtime can tell that a vmfb belongs to another export.
+
+The state is passed as separate arguments in `state_spec` order and updated in place (whole-tensor
+``index_put_``; the runtime must pass device arrays to see the update). Rows with lengths 0 only
+write scratch rows, so they pad batches; slots within one call must be distinct.
+
+Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with externalized
+parameters (one .irpa shared by all entry points), strict=False tracing, every top-k as an argmax
+chain while tracing (IREE 3.13 returns wrong top-k indices in multi-layer dynamic graphs,
+iree-notes §6 bug 6), and ``import_symbolic_shape_expressions=False`` because the compressor's
+``T // ratio`` is a FloorDiv the importer cannot translate (the argmax chain needs no bounds).
+FP8 weights are e4m3fn for llvm-cpu/cuda and e4m3fnuz (formats.fp8_fn_to_fnuz) for gfx942; when
+both kinds of targets are asked for, the fnuz targets get their own MLIR and .irpa.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import compat as _compat
+from .compile import CompileError, Target, compile_mlir, resolve_target
+
+__all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION", "state_entries",
+           "function_abi", "score_logprobs"]
+
+FORMAT = "dsv4-iree-export"
+VERSION = 1
+STATE_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FNUZ_TARGETS = ("gfx942",)  # targets whose native FP8 is e4m3fnuz
+
+
+class ExportError(RuntimeError):
+    """An export stage failed; ``stage`` names it ("validate", "trace:prefill_bs4", "import",
+    "compile:gfx942", ...) and ``ops`` the offending op(s) when known."""
+
+    def __init__(self, stage: str, message: str, ops: Sequence[str] = ()):
+        self.stage, self.ops = stage, tuple(ops)
+        extra = f" (offending op(s): {', '.join(self.ops)})" if self.ops else ""
+        super().__init__(f"export stage '{stage}' failed: {message}{extra}")
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    config: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.out_dir / "config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# the traced entry points
+
+
+def score_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """logits [B,T,V] (all positions), tokens [B,T] -> [B,T]: log p(tokens[t+1]) for t < lengths-1, else 0."""
+    lp = logits.float().log_softmax(-1)
+    nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
+    got = lp.gather(-1, nxt[..., None])[..., 0]
+    t = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    return torch.where(t < (lengths - 1)[:, None], got, torch.zeros((), dtype=got.dtype))
+
+
+class _Entry(nn.Module):
+    """Wraps the Transformer so the state is a flat tuple of arguments in state_spec order."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]):
+        super().__init__()
+        self.model = model
+        self.names = tuple(names)
+
+    def step(self, tokens, start_pos, lengths, slots, state):
+        logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
+        return logits, logits.argmax(-1)
+
+    def topk_probe(self, tokens, start_pos, lengths, slots, state):
+        """prefill + the indices of every top-k in the graph (parity tests of iree-notes §6 bug 6)."""
+        from dsv4.model.kernels.topk import record_topk
+
+        with record_topk() as rec:
+            logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
+        return (logits, *[idx for _, idx in rec])
+
+    def score(self, tokens, start_pos, lengths, slots, state):
+        logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)), all_logits=True)
+        return score_logprobs(logits, tokens, lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def state_entries(cfg, n_slots: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """config.json's "state": [{"name", "shape", "dtype"}] in argument order."""
+    from dsv4.model.state import state_spec
+
+    return [{"name": n, "shape": list(shape), "dtype": STATE_DTYPE_NAMES[dt]}
+            for n, (shape, dt) in state_spec(cfg, n_slots, dtype).items()]
+
+
+def function_abi(kind: str, names: Sequence[str]) -> dict[str, list[str]]:
+    results = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"]}[kind]
+    return {"args": ["tokens", "start_pos", "lengths", "slots", *names], "results": results}
+
+
+def _has_fp8(model: nn.Module) -> bool:
+    return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) for p in model.parameters())
+
+
+def _to_fnuz(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every e4m3fn weight (and its block scale) converted for gfx942."""
+    from dsv4.model.formats import fp8_fn_to_fnuz
+
+    model = copy.deepcopy(model)
+    for mod in model.modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p is None or p.dtype != torch.float8_e4m3fn:
+                continue
+            sname = "scale" if pname == "weight" else f"{pname}_scale"
+            s = getattr(mod, sname, None)
+            if s is None:
+                raise ExportError("convert:fnuz", f"{type(mod).__name__}.{pname} is FP8 but has no {sname}")
+            w, s2 = fp8_fn_to_fnuz(p.data, s.data)
+            setattr(mod, pname, nn.Parameter(w, requires_grad=False))
+            setattr(mod, sname, nn.Parameter(s2, requires_grad=False))
+    return model
+
+
+def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
+              max_chunk: int | None, n_slots: int | None) -> tuple[list[Target], list[int], int, int, int]:
+    from dsv4.model.model import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ExportError("validate", f"expected a dsv4 Transformer, got {type(model).__name__}")
+    if model.cfg != cfg:
+        diff = [k for k, v in cfg.to_dict().items() if model.cfg.to_dict().get(k) != v]
+        raise ExportError("validate", f"the model was built for a different config than the one given "
+                                      f"(fields differ: {', '.join(diff) or '?'}); checkpoint/config mismatch")
+    if not targets:
+        raise ExportError("validate", "no compile target given")
+    try:
+        tgts = [resolve_target(t) for t in targets]
+    except ValueError as e:
+        raise ExportError("validate", str(e)) from None
+    if len({t.name for t in tgts}) != len(tgts):
+        raise ExportError("validate", f"a target is listed twice: {list(targets)}")
+    bs = sorted(set(int(b) for b in batch_sizes))
+    if not bs or any(b < 1 for b in bs) or any(int(b) != b for b in batch_sizes):
+        raise ExportError("validate", f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
+    min_tokens = max([r for r in cfg.compress_ratios if r] + [2])
+    max_chunk = int(max_chunk if max_chunk is not None else min(cfg.max_seq_len, 512))
+    if not min_tokens <= max_chunk <= cfg.max_seq_len:
+        raise ExportError("validate", f"max_chunk {max_chunk} must be in [{min_tokens} (largest compression "
+                                      f"ratio), max_seq_len {cfg.max_seq_len}]")
+    n_slots = int(n_slots if n_slots is not None else max(bs))
+    if n_slots < max(bs):
+        raise ExportError("validate", f"n_slots {n_slots} is smaller than the largest batch size {max(bs)} "
+                                      "(slots within one call must be distinct)")
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ExportError("validate", f"parameter {name} has no data (meta tensor); load weights first")
+    return tgts, bs, min_tokens, max_chunk, n_slots
+
+
+def _short(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if len(lines) > 1:
+        msg += " ... " + lines[-1]
+    return f"{type(e).__name__}: {msg[:600]}"
+
+
+def _ops_of(e: BaseException) -> list[str]:
+    """Best guess of the torch op a tracing/import error is about."""
+    import re
+
+    text = str(e)
+    found = re.findall(r"(aten\.\w+(?:\.\w+)?|torch\.ops\.\w+\.\w+|target=[\w.]+)", text)
+    return list(dict.fromkeys(found))[:3]
+
+
+# ---------------------------------------------------------------------------------------------
+# the exporter
+
+
+def _program(fn: Callable) -> Callable:
+    """A function with the exact signature torch.export matches dynamic_shapes against."""
+
+    def traced(m, tokens, start_pos, lengths, slots, state):
+        return fn(m, tokens, start_pos, lengths, slots, state)
+
+    return traced
+
+
+def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dtype, cfg, n_slots: int,
+                bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
+                export_id: str, mlir_path: Path, irpa_path: Path, log: Callable[[str], None],
+                timings: dict[str, float], tag: str, probe_topk: bool) -> None:
+    from iree.turbine import aot
+
+    from dsv4.model.kernels.topk import topk_impl
+    from dsv4.model.state import state_spec
+
+    entry = _Entry(model, state_names).eval()
+    t0 = time.perf_counter()
+    aot.externalize_module_parameters(entry, external_scope="model")
+    aot.save_module_parameters(irpa_path, entry)
+    timings[f"parameters{tag}"] = time.perf_counter() - t0
+    log(f"parameters -> {irpa_path.name} ({irpa_path.stat().st_size / 1e6:.1f} MB, {timings[f'parameters{tag}']:.1f} s)")
+
+    fxb = aot.FxProgramsBuilder(entry)
+    state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec(cfg, n_slots, state_dtype).values()]
+    T = torch.export.Dim("T", min=min_tokens, max=max_chunk)
+    i64 = torch.int64
+    ex_T = min(max(min_tokens, 2 * min_tokens), max_chunk)
+
+    def example(n: int, t: int) -> tuple:
+        return (torch.zeros(n, t, dtype=i64), torch.zeros(n, dtype=i64), torch.full((n,), t, dtype=i64),
+                torch.arange(n, dtype=i64), state)
+
+    dyn = {"tokens": {1: T}, "start_pos": None, "lengths": None, "slots": None, "state": [None] * len(state)}
+    programs: list[tuple[str, Callable, tuple, Any]] = []
+    for n in bs:
+        programs.append((f"prefill_bs{n}", _Entry.step, example(n, ex_T), dyn))
+    for n in dec_bs:
+        programs.append((f"decode_bs{n}", _Entry.step, example(n, 1), None))
+    for n in score_bs:
+        programs.append((f"score_bs{n}", _Entry.score, example(n, ex_T), dyn))
+    if probe_topk:
+        programs.append(("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn))
+
+    with torch.no_grad(), topk_impl("argmax"):
+        for name, fn, args, dshapes in programs:
+            t0 = time.perf_counter()
+            try:
+                fxb.export_program(_program(fn), name=name, args=args, dynamic_shapes=dshapes, strict=False)
+            except Exception as e:  # torch.export raises many types; report the stage and op
+                raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
+            timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
+            log(f"traced {name} ({timings[f'trace:{name}{tag}']:.1f} s)")
+        code = torch.tensor(list(export_id.encode()), dtype=i64)
+        fxb.export_program(lambda m: code.clone(), name="export_id", args=(), strict=False)
+
+    t0 = time.perf_counter()
+    try:
+        eo = aot.export(fxb, import_symbolic_shape_expressions=False)
+        eo.save_mlir(str(mlir_path))
+    except Exception as e:
+        raise ExportError("import", _short(e), _ops_of(e)) from e
+    timings[f"import{tag}"] = time.perf_counter() - t0
+    log(f"imported -> {mlir_path.name} ({mlir_path.stat().st_size / 1e6:.1f} MB, {timings[f'import{tag}']:.1f} s)")
+
+
+def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: Sequence[str] = ("gfx942",),
+                 batch_sizes: Sequence[int] = (1, 4), max_chunk: int | None = None, n_slots: int | None = None,
+                 keep_mlir: bool = False, *, decode_batch_sizes: Sequence[int] | None = None,
+                 score: bool = True, tokenizer: "str | os.PathLike | None" = None,
+                 progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
+                 probe_topk: bool = False) -> ExportResult:
+    """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
+
+    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
+    parity tests. Raises ExportError naming the failing stage (and op, when known). Returns the config.json dict
+    and per-stage timings (seconds)."""
+    _compat.apply()
+    log = progress or (lambda s: None)
+    t_all = time.perf_counter()
+    tgts, bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes, max_chunk, n_slots)
+    dec_bs = sorted(set(int(b) for b in (decode_batch_sizes or bs)))
+    if any(b < 1 for b in dec_bs) or max(dec_bs) > n_slots:
+        raise ExportError("validate", f"decode batch sizes {dec_bs} must be in [1, n_slots={n_slots}]")
+    score_bs = [1] if score else []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    act = model.dtype
+    if act not in STATE_DTYPE_NAMES:
+        raise ExportError("validate", f"unsupported activation dtype {act}")
+    from dsv4.model.state import state_spec
+
+    state_names = list(state_spec(cfg, n_slots, act))
+    export_id = uuid.uuid4().hex
+    timings: dict[str, float] = {}
+
+    # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
+    groups: dict[str, list[Target]] = {}
+    fp8 = _has_fp8(model)
+    for t in tgts:
+        groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
+    target_info: dict[str, dict[str, Any]] = {}
+    first_irpa = None
+    for gi, (flavour, gtargets) in enumerate(groups.items()):
+        suffix = "" if gi == 0 else f".{flavour}"
+        tag = "" if len(groups) == 1 else f"[{flavour}]"
+        gmodel = _to_fnuz(model) if flavour == "fnuz" else model
+        mlir_path = out / f"model{suffix}.mlir"
+        irpa_path = out / f"model{suffix}.irpa"
+        first_irpa = first_irpa or irpa_path.name
+        log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
+            f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
+        _build_mlir(gmodel, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
+                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk)
+        for t in gtargets:
+            vmfb = out / f"model.{t.name}.vmfb"
+            log(f"compiling {t.label} ...")
+            try:
+                res = compile_mlir(mlir_path, t, vmfb, extra_flags)
+            except CompileError as e:
+                raise ExportError(f"compile:{t.label}", str(e), e.ops) from None
+            timings[f"compile:{t.label}"] = res.seconds
+            log(f"compiled {t.label} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
+            info = {"vmfb": vmfb.name, "flags": list(res.flags), "compile_s": round(res.seconds, 2),
+                    "driver": t.driver}
+            if suffix:
+                info["parameters"] = irpa_path.name
+            target_info[t.name] = info
+        if not keep_mlir:
+            mlir_path.unlink(missing_ok=True)
+
+    tok_name = None
+    if tokenizer is not None:
+        tok_src = Path(tokenizer)
+        if tok_src.is_dir():
+            tok_src = tok_src / "tokenizer.json"
+        if not tok_src.is_file():
+            raise ExportError("tokenizer", f"no tokenizer.json at {tok_src}")
+        shutil.copyfile(tok_src, out / "tokenizer.json")
+        tc = tok_src.with_name("tokenizer_config.json")
+        if tc.is_file():
+            shutil.copyfile(tc, out / "tokenizer_config.json")
+        tok_name = "tokenizer.json"
+
+    functions: dict[str, Any] = {}
+    for n in bs:
+        functions[f"prefill_bs{n}"] = function_abi("prefill", state_names)
+    for n in dec_bs:
+        functions[f"decode_bs{n}"] = function_abi("decode", state_names)
+    for n in score_bs:
+        functions[f"score_bs{n}"] = function_abi("score", state_names)
+    if probe_topk:
+        functions["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk..."]}
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": cfg.to_dict(),
+        "activation_dtype": STATE_DTYPE_NAMES[act],
+        "n_slots": n_slots,
+        "max_seq_len": cfg.max_seq_len,
+        "prefill": {"batch_sizes": bs, "min_tokens": min_tokens, "max_tokens": max_chunk},
+        "decode": {"batch_sizes": dec_bs},
+        "state": state_entries(cfg, n_slots, act),
+        "functions": functions,
+        "targets": target_info,
+        "parameters": first_irpa,
+        "tokenizer": tok_name,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_ids": list(cfg.eos_ids),
+        "export_id": export_id,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    timings["total"] = time.perf_counter() - t_all
+    log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
+    return ExportResult(out, config, timings)
