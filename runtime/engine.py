@@ -261,6 +261,16 @@ class ExportConfig:
             eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
         )
 
+    def parameters_for(self, target: str) -> Path:
+        """The .irpa a target's vmfb reads: its own (e.g. fnuz FP8 weights for gfx942) or the shared one."""
+        own = (self.targets.get(target) or {}).get("parameters")
+        if own is None:
+            return self.parameters
+        path = self.directory / str(own)
+        if not path.is_file():
+            raise ArtifactError(f"{self.directory}: {own} (parameters of target {target}) is missing")
+        return path
+
     def vmfb_path(self, target: str) -> Path:
         """The vmfb compiled for ``target``; ArtifactError when that target was not exported."""
         info = self.targets.get(target)
@@ -482,6 +492,7 @@ class Engine:
         self.device_name = device
         self.target = target_for_device(device)
         vmfb = cfg.vmfb_path(self.target)
+        self.parameters_path = params = cfg.parameters_for(self.target)
         import iree.runtime as rt
 
         self._rt = rt
@@ -496,14 +507,14 @@ class Engine:
         inst = self._rt_config.vm_instance
         try:
             self._params = rt.ParameterIndex()
-            self._params.load(str(cfg.parameters))  # mmap; never read into Python memory
+            self._params.load(str(params))  # mmap; never read into Python memory
             modules = [rt.create_hal_module(inst, self.hal_device),
                        rt.create_io_parameters_module(inst, self._params.create_provider(scope=PARAM_SCOPE))]
             self.vm_module = rt.VmModule.mmap(inst, str(vmfb))
             modules.append(self.vm_module)
             self._context = rt.VmContext(inst, modules=modules)
         except (RuntimeError, ValueError, OSError) as e:
-            raise ArtifactError(f"cannot load {vmfb.name} with {cfg.parameters.name}: {e}") from None
+            raise ArtifactError(f"cannot load {vmfb.name} with {params.name}: {e}") from None
         self.vmfb_path = vmfb
         self._invokers: dict[str, Any] = {}
         names = set(self.vm_module.function_names)
