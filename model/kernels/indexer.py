@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from . import hookable
 from .topk import topk_indices
 
 
+@hookable("indexer_scores")
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B,T,Hi,di], w [B,T,Hi], keys [B,R,di] -> scores [B,T,R] (input dtype)."""
     s = torch.einsum("bthd,brd->bthr", q, keys).relu()

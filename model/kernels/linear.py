@@ -33,6 +33,7 @@ from ..formats import (
     dequant_mxfp4,
 )
 from ..quant_sim import E4M3_MAX, pow2_block_scale, round_to_e4m3
+from . import hookable
 
 __all__ = ["linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
 
@@ -60,6 +61,7 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return q.flatten(-2)[..., :k]
 
 
+@hookable("fp8_block_linear")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -74,6 +76,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
 
+@hookable("mxfp4_linear")
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import hookable
 from .linear import linear
 
 
@@ -26,6 +27,7 @@ def _at(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if scale is None else scale[e]
 
 
+@hookable("moe_experts")
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                 w3: torch.Tensor, s3: torch.Tensor | None, limit: float) -> torch.Tensor:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from . import hookable
 
+
+@hookable("sparse_attention")
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""
