@@ -550,6 +550,11 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, quant, expert_fmt) for k in range(cfg.n_mtp))
+        if quant and (cfg.quantization_config or {}).get("scale_fmt") == "fp32":
+            # -Base checkpoints store the FP8 block scales as float32 (spec §1.3); kernels take both
+            for mod in self.modules():
+                if isinstance(mod, Linear) and mod.scale is not None:
+                    mod.scale = nn.Parameter(torch.empty(mod.scale.shape, dtype=torch.float32), requires_grad=False)
         rd = cfg.qk_rope_head_dim
         for kind, base, yarn in (("window", cfg.rope_theta, None), ("compressed", cfg.compress_rope_theta, cfg.yarn)):
             cos, sin = rope_table(rd, cfg.max_seq_len, base, yarn)
