@@ -30,6 +30,15 @@ def cmd_eager(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """`dsv4 checkpoint make ...`: write a checkpoint in the official (or transformers) layout."""
+    from dsv4.model.checkpoint import checkpoint_make_main
+
+    if args.action != "make":
+        raise ValueError(f"unknown checkpoint action {args.action!r}; try: dsv4 checkpoint make --help")
+    return checkpoint_make_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 as a compiled IREE pipeline")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -39,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompt-ids", type=_ids, default=[0, 17, 42, 7, 99, 3, 256, 12])
     e.add_argument("--max-new-tokens", type=int, default=16)
     e.set_defaults(fn=cmd_eager)
+    c = sub.add_parser("checkpoint", help="make a random-weight checkpoint in the official layout (checkpoint make -h)")
+    c.add_argument("action", choices=["make"])
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=cmd_checkpoint)
     __import__("dsv4.runtime.commands", fromlist=["add_parsers"]).add_parsers(sub)  # generate, score
     args = p.parse_args(argv)
     try:
