@@ -41,6 +41,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                    help="the reference's FP8/FP4 QAT simulations (default: the config's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed (--preset)")
+    p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL",
+                   help="lowering of a hot spot, e.g. sparse_attention=kernel (ops: sparse_attention, "
+                        "indexer_scores, fp8_block_linear, mxfp4_linear, moe_experts; '*=kernel' for all); repeatable")
     p.add_argument("--no-score", action="store_true", help="skip the score_bs1 entry point")
     p.add_argument("--keep-mlir", action="store_true", help="keep model.mlir in the output directory")
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output directory")
@@ -88,11 +91,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = model.cfg
         log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {args.dtype}")
+        kernels = {}
+        for item in args.kernel:
+            op, sep, impl = item.partition("=")
+            if not sep:
+                raise ValueError(f"--kernel expects OP=IMPL, got {item!r}")
+            kernels[op.strip()] = impl.strip()
         stage = "export"
         res = export_model(model, cfg, args.out, targets=targets, batch_sizes=args.batch_sizes,
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
-                           tokenizer=tokenizer, progress=log)
+                           tokenizer=tokenizer, progress=log, kernels=kernels)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ both kinds of targets are asked for, the fnuz targets get their own MLIR and .ir
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -34,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -207,6 +208,20 @@ def _ops_of(e: BaseException) -> list[str]:
 # the exporter
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Skip fx's per-node Python stack capture while tracing: about 25 % of torch.export time
+    for this model on 2 cores (measured); MLIR locations then name the op, not the source line."""
+    import torch.fx.config as fxc
+
+    saved = fxc.do_not_emit_stack_traces
+    fxc.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fxc.do_not_emit_stack_traces = saved
+
+
 def _program(fn: Callable) -> Callable:
     """A function with the exact signature torch.export matches dynamic_shapes against."""
 
@@ -219,7 +234,7 @@ def _program(fn: Callable) -> Callable:
 def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dtype, cfg, n_slots: int,
                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                 export_id: str, mlir_path: Path, irpa_path: Path, log: Callable[[str], None],
-                timings: dict[str, float], tag: str, probe_topk: bool) -> None:
+                timings: dict[str, float], tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
     from iree.turbine import aot
 
     from dsv4.model.kernels.topk import topk_impl
@@ -253,7 +268,9 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
     if probe_topk:
         programs.append(("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn))
 
-    with torch.no_grad(), topk_impl("argmax"):
+    from .model_kernels import use_kernels
+
+    with torch.no_grad(), topk_impl("argmax"), use_kernels(kernels), _no_stack_traces():
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:
@@ -280,11 +297,13 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  keep_mlir: bool = False, *, decode_batch_sizes: Sequence[int] | None = None,
                  score: bool = True, tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
-                 probe_topk: bool = False) -> ExportResult:
+                 probe_topk: bool = False, kernels: Mapping[str, str] | None = None) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
-    parity tests. Raises ExportError naming the failing stage (and op, when known). Returns the config.json dict
+    parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
+    (export/model_kernels.py; default: every reference). Raises ExportError naming the failing
+    stage (and op, when known). Returns the config.json dict
     and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
@@ -294,6 +313,13 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     if any(b < 1 for b in dec_bs) or max(dec_bs) > n_slots:
         raise ExportError("validate", f"decode batch sizes {dec_bs} must be in [1, n_slots={n_slots}]")
     score_bs = [1] if score else []
+    if kernels:
+        from .model_kernels import MODEL_OPS
+
+        for op, impl in kernels.items():
+            if op != "*" and (op not in MODEL_OPS or impl not in MODEL_OPS[op].impl_names):
+                raise ExportError("validate", f"unknown kernel choice {op}={impl}; ops and implementations: "
+                                  + "; ".join(f"{n}: {'/'.join(o.impl_names)}" for n, o in MODEL_OPS.items()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
@@ -323,7 +349,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
             f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
         _build_mlir(gmodel, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk)
+                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk, dict(kernels or {}))
         for t in gtargets:
             vmfb = out / f"model.{t.name}.vmfb"
             log(f"compiling {t.label} ...")

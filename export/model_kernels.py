@@ -99,43 +99,49 @@ util.func private @{{kernel_name}}(%q: {{q_type}}, %kv: {{kv_type}}, %idx: {{idx
       %r = arith.select %valid, %xs, %ninf : f32
       linalg.yield %r : f32
   } -> tensor<?x?x{{H}}x?xf32>
-  // m[b,t,h] = max(max_k s, sink[h])
+  // m[b,t,h] = max(max_k s, sink[h]); reductions start from fills (a broadcast init fails on gfx942)
   %m0 = tensor.empty(%b, %t) : tensor<?x?x{{H}}xf32>
-  %mi = linalg.generic {
-      indexing_maps = [affine_map<(b, t, h) -> (h)>, affine_map<(b, t, h) -> (b, t, h)>],
-      iterator_types = ["parallel", "parallel", "parallel"]}
-      ins(%sink : {{sink_type}}) outs(%m0 : tensor<?x?x{{H}}xf32>) {
-    ^bb0(%x: f32, %o: f32):
-      linalg.yield %x : f32
-  } -> tensor<?x?x{{H}}xf32>
-  %m = linalg.generic {
+  %mfill = linalg.fill ins(%ninf : f32) outs(%m0 : tensor<?x?x{{H}}xf32>) -> tensor<?x?x{{H}}xf32>
+  %mk = linalg.generic {
       indexing_maps = [affine_map<(b, t, h, k) -> (b, t, h, k)>, affine_map<(b, t, h, k) -> (b, t, h)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction"]}
-      ins(%s : tensor<?x?x{{H}}x?xf32>) outs(%mi : tensor<?x?x{{H}}xf32>) {
+      ins(%s : tensor<?x?x{{H}}x?xf32>) outs(%mfill : tensor<?x?x{{H}}xf32>) {
     ^bb0(%x: f32, %acc: f32):
       %n = arith.maximumf %acc, %x : f32
       linalg.yield %n : f32
   } -> tensor<?x?x{{H}}xf32>
-  // den[b,t,h] = sum_k exp(s - m) + exp(sink - m)
-  %d0 = linalg.generic {
-      indexing_maps = [affine_map<(b, t, h) -> (h)>, affine_map<(b, t, h) -> (b, t, h)>,
+  %m = linalg.generic {
+      indexing_maps = [affine_map<(b, t, h) -> (b, t, h)>, affine_map<(b, t, h) -> (h)>,
                        affine_map<(b, t, h) -> (b, t, h)>],
       iterator_types = ["parallel", "parallel", "parallel"]}
-      ins(%sink, %m : {{sink_type}}, tensor<?x?x{{H}}xf32>) outs(%m0 : tensor<?x?x{{H}}xf32>) {
-    ^bb0(%x: f32, %mx: f32, %o: f32):
-      %e0 = arith.subf %x, %mx : f32
-      %e = math.exp %e0 : f32
-      linalg.yield %e : f32
+      ins(%mk, %sink : tensor<?x?x{{H}}xf32>, {{sink_type}}) outs(%m0 : tensor<?x?x{{H}}xf32>) {
+    ^bb0(%x: f32, %y: f32, %o: f32):
+      %n = arith.maximumf %x, %y : f32
+      linalg.yield %n : f32
   } -> tensor<?x?x{{H}}xf32>
-  %den = linalg.generic {
+  // den[b,t,h] = sum_k exp(s - m) + exp(sink - m)
+  %dfill = linalg.fill ins(%zero : f32) outs(%m0 : tensor<?x?x{{H}}xf32>) -> tensor<?x?x{{H}}xf32>
+  %dsum = linalg.generic {
       indexing_maps = [affine_map<(b, t, h, k) -> (b, t, h, k)>, affine_map<(b, t, h, k) -> (b, t, h)>,
                        affine_map<(b, t, h, k) -> (b, t, h)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction"]}
-      ins(%s, %m : tensor<?x?x{{H}}x?xf32>, tensor<?x?x{{H}}xf32>) outs(%d0 : tensor<?x?x{{H}}xf32>) {
+      ins(%s, %m : tensor<?x?x{{H}}x?xf32>, tensor<?x?x{{H}}xf32>) outs(%dfill : tensor<?x?x{{H}}xf32>) {
     ^bb0(%x: f32, %mx: f32, %acc: f32):
       %e0 = arith.subf %x, %mx : f32
       %e = math.exp %e0 : f32
       %n = arith.addf %acc, %e : f32
+      linalg.yield %n : f32
+  } -> tensor<?x?x{{H}}xf32>
+  %den = linalg.generic {
+      indexing_maps = [affine_map<(b, t, h) -> (b, t, h)>, affine_map<(b, t, h) -> (h)>,
+                       affine_map<(b, t, h) -> (b, t, h)>, affine_map<(b, t, h) -> (b, t, h)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}
+      ins(%dsum, %sink, %m : tensor<?x?x{{H}}xf32>, {{sink_type}}, tensor<?x?x{{H}}xf32>)
+      outs(%m0 : tensor<?x?x{{H}}xf32>) {
+    ^bb0(%x: f32, %y: f32, %mx: f32, %o: f32):
+      %e0 = arith.subf %y, %mx : f32
+      %e = math.exp %e0 : f32
+      %n = arith.addf %x, %e : f32
       linalg.yield %n : f32
   } -> tensor<?x?x{{H}}xf32>
   // p = exp(s - m) / den, rounded to the KV dtype as the reference does

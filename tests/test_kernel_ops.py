@@ -1,0 +1,185 @@
+"""The model's hot spots (export/model_kernels.py), each compiled alone vs its torch reference.
+
+For every op: the per-op switch routes the model hook through the KernelOp; each available
+implementation is exported (dynamic token dim), compiled for llvm-cpu and gfx942, and the
+llvm-cpu module is run on random inputs against the eager reference. The eager reference itself is
+checked to be untouched when no override is installed. One module per op holds one entry point
+per implementation, so each op costs two compiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dsv4.export  # noqa: F401
+from dsv4.export.compile import compile_mlir, vmfb_executables
+from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
+from dsv4.export.model_kernels import MODEL_OPS, use_kernels
+from dsv4.model import kernels as mk
+from dsv4.model.formats import fp8_fn_to_fnuz
+from dsv4.model.kernels.indexer import indexer_scores
+from dsv4.model.kernels.linear import fp8_block_linear, mxfp4_linear
+from dsv4.model.kernels.moe import moe_experts
+from dsv4.model.kernels.sparse_attention import sparse_attention
+
+ensure_runtime_flags()
+G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=G).to(dtype)
+
+
+class SparseAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sink = nn.Parameter(_r(4))
+
+    def forward(self, q, kv, idx):
+        return sparse_attention(q, kv, idx, self.sink, 0.125)
+
+
+class IndexerScores(nn.Module):
+    def forward(self, q, w, keys):
+        return indexer_scores(q, w, keys)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, fnuz: bool):
+        super().__init__()
+        w = (_r(256, 128) * 0.05).to(torch.float8_e4m3fn)
+        s = torch.tensor([[120], [121]], dtype=torch.uint8)  # E8M0 2^-7, 2^-6
+        if fnuz:
+            w, s = fp8_fn_to_fnuz(w, s)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.scale = nn.Parameter(s, requires_grad=False)
+
+    def forward(self, x):
+        return fp8_block_linear(x, self.weight, self.scale)
+
+
+class Mxfp4Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.packed = nn.Parameter(torch.randint(0, 256, (64, 64), generator=G, dtype=torch.uint8), requires_grad=False)
+        self.scale = nn.Parameter(torch.randint(120, 130, (64, 4), generator=G, dtype=torch.uint8), requires_grad=False)
+
+    def forward(self, x):
+        return mxfp4_linear(x, self.packed, self.scale)
+
+
+class Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Parameter(_r(*s) * 0.1) for s in ((4, 32, 16), (4, 16, 32), (4, 32, 16)))
+
+    def forward(self, x, weights, indices):
+        return moe_experts(x, weights, indices, self.w1, None, self.w2, None, self.w3, None, 10.0)
+
+
+def _cases() -> dict:
+    """name -> (module factory, example args, dynamic token axis per arg (None = static))."""
+    T = 7
+    idx = torch.randint(-1, 20, (2, T, 6), generator=G)
+    return {
+        "sparse_attention": (SparseAttn, (_r(2, T, 4, 32), _r(2, 20, 32), idx), (1, None, 1)),
+        "indexer_scores": (IndexerScores, (_r(2, T, 4, 32), _r(2, T, 4), _r(2, 11, 32)), (1, 1, None)),
+        "fp8_block_linear": (lambda: Fp8Linear(False), (_r(2, T, 128),), (1,)),
+        "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),
+        "moe_experts": (Moe, (_r(T, 16), torch.rand(T, 2, generator=G),
+                              torch.stack([torch.randperm(4, generator=G)[:2] for _ in range(T)])), (0, 0, 0)),
+    }
+
+
+CASES = _cases()
+
+
+def test_every_hot_spot_has_an_op():
+    assert set(MODEL_OPS) == set(mk.HOOKS) == set(CASES)
+
+
+def test_eager_reference_untouched_without_override():
+    for name, (make, args, _) in CASES.items():
+        m = make().eval()
+        with torch.no_grad():
+            a = m(*args)
+            with use_kernels({name: "reference"}):
+                b = m(*args)
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_compiled_vs_reference(name, tmp_path):
+    from iree.turbine import aot
+
+    make, args, axes = CASES[name]
+    model = make().eval()
+    with torch.no_grad():
+        want = model(*args)
+    aot.externalize_module_parameters(model, external_scope="model")
+    aot.save_module_parameters(tmp_path / "p.irpa", model)
+    fxb = aot.FxProgramsBuilder(model)
+    T = torch.export.Dim("T", min=2, max=64)
+    impls = [i for i in MODEL_OPS[name].impl_names if i in ("reference", "kernel")]
+    dyn = {f"a{i}": None if ax is None else {ax: T} for i, ax in enumerate(axes)}
+    for impl in impls:
+        with torch.no_grad(), use_kernels({name: impl}):
+            fxb.export_program(_fwd(len(args)), name=f"run_{impl}", args=args, dynamic_shapes=dyn, strict=False)
+    eo = aot.export(fxb, import_symbolic_shape_expressions=True)
+    mlir = tmp_path / "op.mlir"
+    eo.save_mlir(str(mlir))
+    text = mlir.read_text()
+    if "kernel" in impls:
+        assert f"dsv4k_{name}" in text, "the hand-written kernel is not in the module"
+    cpu = compile_mlir(mlir, "llvm-cpu", tmp_path / "op.cpu.vmfb")
+    m = IreeModule(cpu.path, tmp_path / "p.irpa")
+    for impl in impls:
+        got = m(f"run_{impl}", *[a.numpy() for a in args])
+        np.testing.assert_allclose(got, want.numpy(), atol=2e-5, rtol=2e-5, err_msg=f"{name}/{impl}")
+    if name != "fp8_block_linear":  # gfx942 takes fnuz weights: its own module below
+        gpu = compile_mlir(mlir, "gfx942", tmp_path / "op.gfx942.vmfb")
+        assert {e.gpu_arch for e in vmfb_executables(gpu.path)} == {"gfx942"}
+
+
+def _fwd(n: int):
+    names = ", ".join(f"a{i}" for i in range(n))
+    ns: dict = {}
+    exec(f"def f(m, {names}):\n    return m({names})\n", ns)  # explicit arity for dynamic_shapes
+    return ns["f"]
+
+
+def test_fp8_block_linear_fnuz_for_gfx942_and_cuda(tmp_path):
+    """gfx942 gets e4m3fnuz weights (fp8_fn_to_fnuz), cuda keeps e4m3fn; both compile because the
+    kernel decodes fp8 bytes with integer ops (cuda cannot lower fp8 -> f32 extf)."""
+    from iree.turbine import aot
+
+    x = _r(2, 5, 128)
+    ref = Fp8Linear(False).eval()
+    for target, fnuz in (("gfx942", True), ("cuda", False)):
+        m = Fp8Linear(False).eval()
+        m.load_state_dict(ref.state_dict())
+        if fnuz:
+            w, s = fp8_fn_to_fnuz(ref.weight.data, ref.scale.data)
+            m.weight, m.scale = nn.Parameter(w, requires_grad=False), nn.Parameter(s, requires_grad=False)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), ref(x), atol=0, rtol=0)  # same values in both formats
+        aot.externalize_module_parameters(m, external_scope="model")
+        eo = aot.export(m, args=(x,), dynamic_shapes={"x": {1: torch.export.Dim("T", min=2, max=64)}},
+                        strict_export=False, import_symbolic_shape_expressions=True)
+        mlir = tmp_path / f"fp8_{target}.mlir"
+        eo.save_mlir(str(mlir))
+        res = compile_mlir(mlir, target, tmp_path / f"fp8.{target}.vmfb")
+        arch = {e.gpu_arch for e in vmfb_executables(res.path)}
+        assert arch == ({"gfx942"} if target == "gfx942" else {"sm_89"})
+
+
+def test_unknown_choice_is_rejected():
+    with pytest.raises(ValueError, match="unknown kernel op 'nope'"):
+        with use_kernels({"nope": "kernel"}):
+            pass
+    with pytest.raises(ValueError, match="no implementation 'kernel'"):
+        with use_kernels({"moe_experts": "kernel"}):
+            pass
