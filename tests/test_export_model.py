@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,9 @@ def tiny_model() -> Transformer:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    files = sorted((ROOT / "model").rglob("*.py")) + sorted((ROOT / "export").glob("*.py"))
+    graph = ("model.py", "config.py", "state.py", "quant_sim.py", "formats.py")  # what shapes the graph
+    files = [ROOT / "model" / f for f in graph] + sorted((ROOT / "model" / "kernels").glob("*.py"))
+    files += sorted((ROOT / "export").glob("*.py"))
     for f in files:
         h.update(f.relative_to(ROOT).as_posix().encode())
         h.update(f.read_bytes())
@@ -64,9 +67,13 @@ def _source_hash() -> str:
 
 @pytest.fixture(scope="session")
 def art(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model."""
+    """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model.
+
+    DSV4_TEST_EXPORT_DIR=<dir> uses an export made elsewhere with the same arguments."""
     cache = ROOT / ".cache" / f"export-model-{_source_hash()}"
-    if not (cache / "config.json").is_file():
+    if os.environ.get("DSV4_TEST_EXPORT_DIR"):
+        cache = Path(os.environ["DSV4_TEST_EXPORT_DIR"])
+    elif not (cache / "config.json").is_file():
         tmp = tmp_path_factory.mktemp("export")
         export_model(tiny_model(), tiny_cfg(), tmp, **EXPORT_ARGS, progress=print)
         if cache.exists():
@@ -277,3 +284,44 @@ def test_bad_chunk_and_slots(small_model, tmp_path):
         export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), max_chunk=8)
     with pytest.raises(ExportError, match="n_slots 2 is smaller than the largest batch size 4"):
         export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), n_slots=2)
+
+
+def _quantized_tiny() -> Transformer:
+    """Tiny with FP8 linears (E8M0 scales) and MXFP4 experts, random bytes (no NaN codes)."""
+    cfg = ModelConfig.preset("tiny").replace(quant_sim=False, expert_dtype="fp4")
+    m = init_random(Transformer(cfg, dtype=torch.float32), seed=1)  # float weights first
+    q = Transformer(cfg, dtype=torch.float32, quantized=True)
+    g = torch.Generator().manual_seed(2)
+    sd = m.state_dict()
+    with torch.no_grad():
+        for name, p in q.named_parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                b = torch.randint(0, 0x7E, p.shape, generator=g, dtype=torch.uint8)
+                b |= torch.randint(0, 2, p.shape, generator=g, dtype=torch.uint8) << 7
+                p.data = b.view(torch.float8_e4m3fn)
+            elif p.dtype == torch.uint8:
+                lo, hi = (118, 124) if name.endswith("scale") else (0, 256)
+                p.copy_(torch.randint(lo, hi, p.shape, generator=g, dtype=torch.uint8))
+            else:
+                p.copy_(sd[name])
+    return q.eval()
+
+
+def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
+    """gfx942 gets e4m3fnuz weights through formats.fp8_fn_to_fnuz (never a cast): every FP8
+    weight changes format, and the model computes bit-identical logits."""
+    from dsv4.export.exporter import _has_fp8, _to_fnuz
+
+    q = _quantized_tiny()
+    z = _to_fnuz(q)
+    assert _has_fp8(q)
+    fp8 = [n for n, p in q.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    zp = dict(z.named_parameters())
+    assert fp8 and all(zp[n].dtype == torch.float8_e4m3fnuz for n in fp8)
+    assert not any(p.dtype == torch.float8_e4m3fn for p in z.parameters())
+    toks = torch.from_numpy(_tokens(1, 20, 7))
+    a = (toks, torch.tensor([0]), torch.tensor([20]), torch.tensor([0]))
+    with torch.no_grad():
+        want = q(*a, new_state(q.cfg, 1, torch.float32))
+        got = z(*a, new_state(q.cfg, 1, torch.float32))
+    assert torch.equal(got, want)
