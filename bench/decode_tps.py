@@ -4,11 +4,11 @@ Why: the compiled path has to be worth it; this puts tokens/s of both decode loo
 for the same config, prompt and batch sizes. A benchmark, not a test: numbers depend on the host.
 
     python bench/decode_tps.py --export-dir OUT            # an existing export
-    python bench/decode_tps.py --preset tiny               # export the preset first (needs the exporter)
+    python bench/decode_tps.py --preset tiny               # export the preset first (~15 min on 2 cores)
 
 Both sides: prefill a P-token prompt per sequence (not timed), then time N greedy decode steps
 over a batch of B sequences. tokens/s = B * N / seconds. The eager model gets random weights of
-the same config (throughput does not depend on the values, except through MoE routing); torch
+the same config, seed 0, the weights --preset exports (values matter only through MoE routing); torch
 uses as many threads as --threads (default: all cores, like IREE's local-task).
 """
 
@@ -79,13 +79,18 @@ def bench_eager(cfg_dict: dict, dtype_name: str, prompt: list[int], batch: int, 
     return out
 
 
-def export_preset(preset: str, out: Path) -> Path:
-    """Export ``preset`` (random weights) for llvm-cpu with the project exporter."""
-    try:
-        from dsv4.export.exporter import export_model
-    except ImportError as e:
-        sys.exit(f"decode_tps: cannot export (dsv4.export.exporter unavailable: {e}); pass --export-dir")
-    export_model(preset, out, targets=["llvm-cpu"])
+def export_preset(preset: str, out: Path, dtype_name: str, n_slots: int) -> Path:
+    """Export ``preset`` (random weights, seed 0: the eager side rebuilds the same ones) for llvm-cpu."""
+    import torch
+
+    from dsv4.export.exporter import export_model
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer, init_random
+
+    cfg = ModelConfig.preset(preset)
+    model = init_random(Transformer(cfg, dtype=getattr(torch, dtype_name)), seed=0).eval()
+    export_model(model, cfg, out, targets=["llvm-cpu"], batch_sizes=(1,), decode_batch_sizes=(1, 4),
+                 n_slots=n_slots, progress=lambda s: print("  export:", s, flush=True))
     return out
 
 
@@ -100,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="local-task")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="activation dtype when exporting --preset")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    export_dir = args.export_dir or export_preset(args.preset, Path(tempfile.mkdtemp(prefix="dsv4_bench_")))
+    export_dir = args.export_dir or export_preset(args.preset, Path(tempfile.mkdtemp(prefix="dsv4_bench_")),
+                                                  args.dtype, max(args.batch))
     cfg = json.loads((export_dir / "config.json").read_text())
     vocab = cfg["model"]["vocab_size"]
     prompt = [cfg.get("bos_token_id") or 0] + [(7 * i + 3) % vocab for i in range(args.prompt_len - 1)]
