@@ -95,8 +95,10 @@ class _Entry(nn.Module):
         self.names = tuple(names)
 
     def step(self, tokens, start_pos, lengths, slots, state):
+        from dsv4.model.kernels.topk import first_argmax
+
         logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
-        return logits, logits.argmax(-1)
+        return logits, first_argmax(logits)[:, 0]  # = argmax(-1); aten.argmax fails on gfx942
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
         """prefill + the indices of every top-k in the graph (parity tests of iree-notes §6 bug 6)."""

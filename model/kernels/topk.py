@@ -2,7 +2,7 @@
 
 IREE 3.13 can return correct top-k values with wrong indices when a top-k follows other work on
 a dynamic token dim (iree-notes §6, bug 6), so export swaps this for an exact formulation: k
-rounds of argmax, each masking the previous winner. The eager reference stays torch.topk.
+rounds of argmax (each a max + min-index reduction), each masking the previous winner. The eager reference stays torch.topk.
 
 Select with `topk_impl("argmax")` (a context manager; the exporter wraps tracing in it) or
 `set_topk_impl`. The choice is read when the function runs, i.e. while torch.export traces.
@@ -15,13 +15,25 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["topk_indices", "topk_reference", "topk_argmax", "topk_impl", "set_topk_impl", "TOPK_IMPLS",
+__all__ = ["topk_indices", "topk_reference", "topk_argmax", "first_argmax", "topk_impl", "set_topk_impl", "TOPK_IMPLS",
            "record_topk"]
 
 
 def topk_reference(x: torch.Tensor, k: int) -> torch.Tensor:
     """torch.topk: what eager runs and what every other implementation is checked against."""
     return x.topk(k, dim=-1).indices
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1, keepdim=True) (first maximal index) as a max and a min reduction.
+
+    Why: IREE 3.13's gfx942 backend fails on aten.argmax over a 512-wide row ("'func.func' op
+    failed to distribute", measured on the tiny model's vocab argmax); two plain reductions lower
+    everywhere. Rows without a maximum (all NaN) give the last index."""
+    n = x.shape[-1]
+    cols = torch.arange(n, device=x.device)
+    hit = x == x.amax(-1, keepdim=True)
+    return torch.where(hit, cols, n).amin(-1, keepdim=True).clamp(max=n - 1)
 
 
 def topk_argmax(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -37,7 +49,7 @@ def topk_argmax(x: torch.Tensor, k: int) -> torch.Tensor:
     cols = torch.arange(x.shape[-1], device=x.device)
     picks = []
     for _ in range(k):
-        j = work.argmax(-1, keepdim=True)
+        j = first_argmax(work)
         picks.append(j)
         work = work.masked_fill(cols == j, float("-inf"))
     return torch.cat(picks, -1)
