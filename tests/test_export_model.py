@@ -339,3 +339,15 @@ def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
         want = q(*a, new_state(q.cfg, 1, torch.float32))
         got = z(*a, new_state(q.cfg, 1, torch.float32))
     assert torch.equal(got, want)
+
+
+def test_cli_reports_stage_and_reason(tmp_path, capsys):
+    from dsv4.runtime.cli import main
+
+    assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--target", "gfx9000", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "stage 'load'" in err and "unknown compile target 'gfx9000'" in err
+    assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--batch-sizes", "0", "-o", str(tmp_path)]) == 1
+    assert "export stage 'validate' failed: batch sizes must be integers >= 1" in capsys.readouterr().err
+    assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 1
+    assert "unknown kernel choice moe_experts=kernel" in capsys.readouterr().err
