@@ -183,3 +183,29 @@ def test_unknown_choice_is_rejected():
     with pytest.raises(ValueError, match="no implementation 'kernel'"):
         with use_kernels({"moe_experts": "kernel"}):
             pass
+
+
+def test_export_topk_and_argmax_compile_for_every_target(tmp_path):
+    """The export's top-k (argmax chain) and argmax (max + float min-index) compile for llvm-cpu,
+    gfx942 and cuda (aten.argmax and int64 min reductions fail to distribute on the GPU backends)
+    and match torch.topk / torch.argmax."""
+    from iree.turbine import aot
+
+    from dsv4.model.kernels.topk import first_argmax, topk_argmax
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            return first_argmax(x)[:, 0], topk_argmax(y, 4)
+
+    x, y = _r(4, 512), _r(1, 9, 64)
+    y[..., 40:] = float("-inf")
+    fxb = aot.FxProgramsBuilder(M())
+    T = torch.export.Dim("T", min=2, max=64)
+    fxb.export_program(lambda m, x, y: m(x, y), name="f", args=(x, y), dynamic_shapes={"x": None, "y": {1: T}},
+                       strict=False)
+    mlir = tmp_path / "topk.mlir"
+    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+    for target in ("llvm-cpu", "gfx942", "cuda"):
+        compile_mlir(mlir, target, tmp_path / f"topk.{target}.vmfb")
+    a, b = IreeModule(tmp_path / "topk.llvm-cpu.vmfb")("f", x.numpy(), y.numpy())
+    assert np.array_equal(a, x.argmax(-1).numpy()) and np.array_equal(b, y.topk(4).indices.numpy())

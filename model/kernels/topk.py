@@ -29,11 +29,12 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
     Why: IREE 3.13's gfx942 backend fails on aten.argmax over a 512-wide row ("'func.func' op
     failed to distribute", measured on the tiny model's vocab argmax); two plain reductions lower
-    everywhere. Rows without a maximum (all NaN) give the last index."""
+    everywhere. The index minimum runs in float32 because the CUDA backend (sm_89) fails the
+    same way on an int64 min reduction. Rows without a maximum (all NaN) give the last index."""
     n = x.shape[-1]
-    cols = torch.arange(n, device=x.device)
+    cols = torch.arange(n, device=x.device, dtype=torch.float32)  # exact below 2^24 (vocab 129280)
     hit = x == x.amax(-1, keepdim=True)
-    return torch.where(hit, cols, n).amin(-1, keepdim=True).clamp(max=n - 1)
+    return torch.where(hit, cols, float(n)).amin(-1, keepdim=True).clamp(max=n - 1).long()
 
 
 def topk_argmax(x: torch.Tensor, k: int) -> torch.Tensor:
