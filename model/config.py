@@ -442,4 +442,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20,
         max_seq_len=256,
     ),
+    # The embedded default model, trained on CPU by model/train.py on the CPython-docs corpus with
+    # the corpus BPE tokenizer (vocab 2048); weights in model/assets/small. Every layer kind of V4:
+    # 0 = sliding only + hash-routed MoE, 1 and 3 = CSA (ratio 4, lightning indexer, top-16),
+    # 2 = HCA with ratio 16 (128 would compress nothing within the 256-token training sequences),
+    # MTP = sliding; mHC with 4 streams, 8 routed experts (top 2) + 1 shared per layer. Linear dims
+    # are multiples of 128 and expert K multiples of 32, so the official FP8 128x128 / MXFP4
+    # checkpoint format applies unchanged. YaRN (factor 4 over 256) is part of the trained tables.
+    "small": dict(
+        vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_lora_rank=64, o_groups=2,
+        sliding_window=32, compress_ratios=[0, 4, 16, 4, 0],
+        compress_rope_theta=160000.0, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,
+                      "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=1024,
+        index_n_heads=4, index_head_dim=128, index_topk=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=128, num_hash_layers=1,
+        routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20,
+        max_seq_len=1024,
+    ),
 }

@@ -248,6 +248,16 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
 class Indexer(nn.Module):
     """Lightning indexer of CSA layers: picks index_topk compressed entries per query (spec §2.6)."""
 
+    # Training hook, off by default (used by train.py). The top-k selection is not differentiable,
+    # so the indexer learns only from an auxiliary loss that aligns its scores with the main
+    # attention. Assign a dict to `aux` and forward fills it with the score operands:
+    #   q [B,T,Hi,di], w [B,T,Hi], keys [B,R,di], n_vis [B,T]            (this module)
+    #   attn_q [B,T,H,D] (detached), attn_kv [B,R,D] (detached), sel [B,T,k]  (Attention)
+    # and detaches x and qr, so that loss trains the indexer only (as DeepSeek does); the values it
+    # computes, and every other gradient, are unchanged (no gradient reaches x/qr through a top-k).
+    # None (the default): nothing is recorded and nothing is detached.
+    aux: dict | None = None
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: str | None):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
@@ -258,6 +268,9 @@ class Indexer(nn.Module):
 
     def forward(self, x, qr, b: Batch, st: LayerState, state: dict, cos_q, sin_q, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
+        aux = self.aux
+        if aux is not None:  # training hook (see `aux`)
+            x, qr = x.detach(), qr.detach()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = rope_tail(q, self.rd, cos_q, sin_q)
         q = quant_sim.hadamard(q)
@@ -273,6 +286,8 @@ class Indexer(nn.Module):
         keys = state["idx_kv_r4"][b.slots, st.group][:, :-1]  # [B,R,di] (scratch row dropped)
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_vis = torch.div(b.pos + 1, 4, rounding_mode="floor")
+        if aux is not None:  # training hook (see `aux`)
+            aux.update(q=q, w=w, keys=keys.to(q.dtype), n_vis=n_vis)
         return indexer_topk(q, w, keys.to(q.dtype), n_vis, self.topk)
 
 
@@ -337,6 +352,8 @@ class Attention(nn.Module):
             R = cache.shape[1] - 1
             if m == 4:
                 sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
+                if self.indexer.aux is not None:  # training hook (see Indexer.aux)
+                    self.indexer.aux.update(attn_q=q.detach(), attn_kv=cache[:, :-1].detach(), sel=sel)
             else:  # HCA: every visible entry
                 n_vis = torch.div(b.pos + 1, m, rounding_mode="floor")
                 e = torch.arange(R, device=x.device)

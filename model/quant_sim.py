@@ -12,7 +12,9 @@ subnormal band to zero and gfx942 has no native OCP e4m3; see iree-notes §5).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -45,6 +47,12 @@ def pow2_block_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
 
 def fp8_qdq(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """Per-`block` FP8 e4m3 quantize->dequantize of the last dim with pow2 scales (amax floor 1e-4)."""
+    if _STE and x.requires_grad:
+        return _StraightThrough.apply(x, functools.partial(_fp8_qdq, block=block))
+    return _fp8_qdq(x, block)
+
+
+def _fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     xb = x.float().unflatten(-1, (-1, block))
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
@@ -54,11 +62,49 @@ def fp8_qdq(x: torch.Tensor, block: int = 64) -> torch.Tensor:
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Per-`block` FP4 e2m1 quantize->dequantize of the last dim with pow2 scales (amax floor 6*2^-126)."""
+    if _STE and x.requires_grad:
+        return _StraightThrough.apply(x, functools.partial(_fp4_qdq, block=block))
+    return _fp4_qdq(x, block)
+
+
+def _fp4_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     xb = x.float().unflatten(-1, (-1, block))
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126)
     s = pow2_block_scale(amax, E2M1_MAX)
     return (round_to_e2m1(xb / s) * s).reshape(shape).to(dtype)
+
+
+# ---- straight-through estimator (training only) -------------------------------------------------
+# The roundings above have zero gradient almost everywhere, so a model trained with the simulations
+# in the loop (QAT, as DeepSeek-V4 was) would get no gradient through the quantized KV / indexer
+# tensors. Inside `straight_through()` fp8_qdq/fp4_qdq return the same values but pass the
+# gradient through unchanged (d qdq(x)/dx := 1). Off by default: outside the context nothing changes.
+
+_STE = False
+
+
+@contextlib.contextmanager
+def straight_through(enabled: bool = True) -> Iterator[None]:
+    """Within the block, fp8_qdq/fp4_qdq backpropagate as the identity (forward values unchanged)."""
+    global _STE
+    prev, _STE = _STE, enabled
+    try:
+        yield
+    finally:
+        _STE = prev
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: qdq(x) exactly (bit-identical to the plain call). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, qdq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return qdq(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 @functools.lru_cache(maxsize=8)
