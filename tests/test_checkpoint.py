@@ -63,13 +63,7 @@ EVAL = dict(quant_sim=False, index_topk=64)  # no QAT sims, every visible CSA en
 REPORT: dict[str, float] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the model's ops are tiny; OpenMP wake-ups on a shared 2-core box cost more than they give
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def i64(*v):

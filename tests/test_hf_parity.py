@@ -43,12 +43,7 @@ TOL = 1e-4
 OURS = dict(quant_sim=False, max_seq_len=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_config(**kw) -> DeepseekV4Config:

@@ -22,13 +22,7 @@ ASSETS = Path(T.__file__).resolve().parent / "assets"
 SEQ = 32  # crosses the tiny window (8) 4x, 8 ratio-4 entries (top-4 selects), 2 ratio-16 entries
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: threads only add synchronization (and spin-waiting on a busy machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def micro(quant_sim_on: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
