@@ -339,35 +339,43 @@ def fp8_fnuz_to_fn(weight_fnuz: torch.Tensor, scale: torch.Tensor) -> tuple[torc
 
 
 def _expand_block_scale(s: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
-    """[ceil(n/block), ceil(k/block)] -> [n, k] by repetition (expand+reshape: static, export-friendly)."""
-    nb, kb = s.shape
-    return s[:, None, :, None].expand(nb, block, kb, block).reshape(nb * block, kb * block)[:n, :k]
+    """[..., ceil(n/block), ceil(k/block)] -> [..., n, k] by repetition (expand+reshape: static, export-friendly)."""
+    *lead, nb, kb = s.shape
+    s = s[..., :, None, :, None].expand(*lead, nb, block, kb, block)
+    return s.reshape(*lead, nb * block, kb * block)[..., :n, :k]
 
 
-def _check_block_scale_shape(scale: torch.Tensor, n: int, k: int, block: int, what: str) -> None:
-    want = (math.ceil(n / block), math.ceil(k / block))
+def _check_block_scale_shape(scale: torch.Tensor, lead: tuple[int, ...], n: int, k: int, block: int,
+                             what: str) -> None:
+    want = (*lead, math.ceil(n / block), math.ceil(k / block))
     if tuple(scale.shape) != want:
-        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for weight [{n}, {k}] (block {block})")
+        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for weight {[*lead, n, k]} (block {block})")
 
 
 def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """FP8 weight [N, K] (e4m3fn or e4m3fnuz, per its dtype) x block scale [ceil(N/b), ceil(K/b)]
-    (E8M0 uint8 or float32) -> float32 [N, K]: W[o,k] = fp8[o,k] * scale[o//b, k//b] (spec §4.3)."""
+    """FP8 weight [..., N, K] (e4m3fn or e4m3fnuz, per its dtype) x block scale [..., ceil(N/b), ceil(K/b)]
+    (E8M0 uint8 or float32) -> float32 [..., N, K]: W[o,k] = fp8[o,k] * scale[o//b, k//b] (spec §4.3).
+    Leading dims (stacked experts) carry their own scales."""
     if weight.dtype not in FP8_FORMATS:
         _check_fp8(weight, E4M3FN, "dequant_fp8_block")  # raises with the right message
-    n, k = weight.shape
-    _check_block_scale_shape(scale, n, k, block, "dequant_fp8_block")
+    if weight.dim() < 2:
+        raise ValueError(f"dequant_fp8_block: weight must be [..., N, K], got {tuple(weight.shape)}")
+    *lead, n, k = weight.shape
+    _check_block_scale_shape(scale, tuple(lead), n, k, block, "dequant_fp8_block")
     w = fp8_decode(weight, weight.dtype)
     return w * _expand_block_scale(scale_to_float(scale), n, k, block)
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 packed [N, K/2] (uint8/int8) + E8M0 scale [N, K/32] -> float32 [N, K] (spec §4.3)."""
+    """MXFP4 packed [..., N, K/2] (uint8/int8) + E8M0 scale [..., N, K/32] -> float32 [..., N, K] (spec §4.3)."""
     if packed.dtype not in _BYTE_DTYPES:
         raise FormatError(f"dequant_mxfp4: packed weight must be uint8/int8, got {packed.dtype}")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
-        raise ValueError(f"dequant_mxfp4: scale shape {tuple(scale.shape)} != {(n, k // MXFP4_BLOCK)} for K={k}")
+    if packed.dim() < 2:
+        raise ValueError(f"dequant_mxfp4: packed weight must be [..., N, K/2], got {tuple(packed.shape)}")
+    k = packed.shape[-1] * 2
+    want = (*packed.shape[:-1], k // MXFP4_BLOCK)
+    if k % MXFP4_BLOCK or tuple(scale.shape) != want:
+        raise ValueError(f"dequant_mxfp4: scale shape {tuple(scale.shape)} != {want} for K={k}")
     v = e2m1_decode(unpack_e2m1(packed))
     s = e8m0_decode(scale)
     return (v.unflatten(-1, (-1, MXFP4_BLOCK)) * s[..., None]).flatten(-2)

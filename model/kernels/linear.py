@@ -35,7 +35,7 @@ from ..formats import (
 from ..quant_sim import E4M3_MAX, pow2_block_scale, round_to_e4m3
 from . import hookable
 
-__all__ = ["linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
+__all__ = ["linear", "stacked_linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
 
 ACT_AMAX_FLOOR = 1e-4  # the reference act_quant's amax floor
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -110,3 +110,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
             raise TypeError(f"linear: a scale was given for an unquantized {weight.dtype} weight")
         return F.linear(x, weight.to(x.dtype))
     raise TypeError(f"linear: unsupported weight dtype {weight.dtype} (scale {None if scale is None else scale.dtype})")
+
+
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for a stack of weights at once: x [N, K] or [E, N, K], weight [E, O, K(/2)] in any format
+    `linear` takes (scales stacked [E, ...]) -> [E, N, O] in x.dtype; out[e] == linear(x or x[e], weight[e],
+    scale[e]) up to fp32 summation order. One dequantize and one activation quantize for all E (the
+    MoE reference: a per-expert loop traces E times as many graph nodes)."""
+    if weight.dim() != 3:
+        raise ValueError(f"stacked_linear: weight must be [E, O, K], got {tuple(weight.shape)}")
+    if weight.dtype in FP8_FORMATS or weight.dtype in (torch.uint8, torch.int8):
+        if scale is None:
+            raise TypeError(f"stacked_linear: {weight.dtype} weight needs its scale")
+        fp8 = weight.dtype in FP8_FORMATS
+        k = weight.shape[2] * (1 if fp8 else 2)
+        if x.shape[-1] != k:
+            raise ValueError(f"stacked_linear: x has K={x.shape[-1]}, weight {tuple(weight.shape)} holds K={k}")
+        w = dequant_fp8_block(weight, scale, FP8_BLOCK) if fp8 else dequant_mxfp4(weight, scale)
+        return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
+    if weight.dtype in _PLAIN_DTYPES:
+        if scale is not None:
+            raise TypeError(f"stacked_linear: a scale was given for an unquantized {weight.dtype} weight")
+        return torch.matmul(x, weight.to(x.dtype).transpose(1, 2))
+    raise TypeError(f"stacked_linear: unsupported weight dtype {weight.dtype}")

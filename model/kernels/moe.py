@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import hookable
-from .linear import linear
+from .linear import stacked_linear
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -23,18 +23,30 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
-def _at(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if scale is None else scale[e]
+def _group(t: torch.Tensor | None, e0: int, e1: int) -> torch.Tensor | None:
+    return None if t is None else t[e0:e1]
+
+
+EXPERT_GROUP = 16  # experts dequantized together: bounds eager memory for 256-expert layers
 
 
 @hookable("moe_experts")
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                 w3: torch.Tensor, s3: torch.Tensor | None, limit: float) -> torch.Tensor:
-    """x [N,d], weights/indices [N,k]; w1/w3 [E,I,.], w2 [E,d,.] stacked (scales [E,..] or None) -> fp32 [N,d]."""
+    """x [N,d], weights/indices [N,k]; w1/w3 [E,I,.], w2 [E,d,.] stacked (scales [E,..] or None) -> fp32 [N,d].
+
+    Experts run in groups of EXPERT_GROUP through `stacked_linear` (same numerics as `linear` per
+    expert); for the small presets that is a single group, which keeps the traced graph small."""
+    E = w1.shape[0]
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(w1.shape[0]):
-        we = (weights * (indices == e)).sum(-1, keepdim=True)  # [N,1], 0 for tokens not routed to e
-        a = swiglu(linear(x, w1[e], _at(s1, e)), linear(x, w3[e], _at(s3, e)), limit) * we
-        y = y + linear(a.to(x.dtype), w2[e], _at(s2, e)).float()
+    for e0 in range(0, E, EXPERT_GROUP):
+        e1 = min(E, e0 + EXPERT_GROUP)
+        ids = torch.arange(e0, e1, device=x.device)
+        # [e, N, 1]: each expert's gate weight per token, 0 where the token is not routed to it
+        we = (weights[None] * (indices[None] == ids[:, None, None])).sum(-1, keepdim=True)
+        g = stacked_linear(x, w1[e0:e1], _group(s1, e0, e1))
+        u = stacked_linear(x, w3[e0:e1], _group(s3, e0, e1))
+        a = swiglu(g, u, limit) * we
+        y = y + stacked_linear(a.to(x.dtype), w2[e0:e1], _group(s2, e0, e1)).float().sum(0)
     return y
