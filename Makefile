@@ -13,11 +13,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
-	$(BIN)/dsv4 eager --preset tiny
+# The main job on the embedded default model (model/assets/small): export it once for llvm-cpu (run
+# here) and gfx942 (MI300X), then stream a greedy continuation of the fixed prompt from the compiled
+# llvm-cpu module. The export is redone only when the model, the exporter or the weights change.
+EXPORT_DIR ?= out/default
+TARGETS ?= --target llvm-cpu --target gfx942
+PROMPT ?= The list data type has some more methods.
+MAX_NEW_TOKENS ?= 48
+EXPORT_DEPS := $(wildcard model/*.py model/kernels/*.py export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
+
+$(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
+	$(BIN)/dsv4 export $(TARGETS) --batch-sizes 1 --no-score -o $(EXPORT_DIR)
+
+run: $(EXPORT_DIR)/config.json
+	$(BIN)/dsv4 generate $(EXPORT_DIR) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --echo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(EXPORT_DIR)

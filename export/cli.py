@@ -27,8 +27,9 @@ def _batch_sizes(text: str) -> list[int]:
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="export + compile the model to IREE (vmfb per target, .irpa, config.json)",
                               description=__doc__)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="checkpoint directory (config.json + safetensors); default: the embedded small model")
     src.add_argument("--preset", help="a ModelConfig preset with random weights (e.g. tiny)")
     p.add_argument("--target", action="append", dest="targets", metavar="T",
                    help="gfx942 (default), llvm-cpu, cuda, optionally NAME:ARCH (e.g. cuda:sm_80); repeatable")
@@ -77,12 +78,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.quant_sim is not None:
             overrides["quant_sim"] = args.quant_sim == "on"
         tokenizer = None
-        if args.checkpoint:
-            from dsv4.model.checkpoint import load_checkpoint
+        if not args.preset:
+            from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
 
-            log(f"loading checkpoint {args.checkpoint}")
-            model = load_checkpoint(args.checkpoint, dtype=dtype, overrides=overrides)
-            tok = Path(args.checkpoint) / "tokenizer.json"
+            ckpt = Path(args.checkpoint) if args.checkpoint else EMBEDDED_CHECKPOINT
+            log(f"loading checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)"))
+            model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides)
+            tok = ckpt / "tokenizer.json"
             tokenizer = tok if tok.is_file() else None
         else:
             cfg = ModelConfig.preset(args.preset, **overrides)

@@ -79,6 +79,11 @@ __all__ = [
     "checkpoint_make_main",
 ]
 
+# The embedded default model (trained by model/train.py, official layout): what `dsv4 export` and
+# `dsv4 eager` use when given no checkpoint. Its held-out text is eval.txt beside the weights.
+EMBEDDED_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "small"
+EMBEDDED_PROMPT = "The list data type has some more methods."  # the fixed prompt of `make run`
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30

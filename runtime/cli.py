@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _ids(text: str) -> list[int]:
@@ -15,18 +16,39 @@ def _ids(text: str) -> list[int]:
 
 
 def cmd_eager(args: argparse.Namespace) -> int:
-    """Greedy continuation with the eager PyTorch model (the reference the compiled path must match)."""
+    """Greedy continuation with the eager PyTorch model (the reference the compiled path must match):
+    the embedded default checkpoint unless --checkpoint or --preset (random weights) is given."""
     import torch
 
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
     from dsv4.model.config import ModelConfig
     from dsv4.model.generate import greedy
     from dsv4.model.model import Transformer, init_random
 
-    cfg = ModelConfig.preset(args.preset)
-    model = init_random(Transformer(cfg, dtype=torch.bfloat16), seed=args.seed).eval()
-    out = greedy(model, args.prompt_ids, args.max_new_tokens)
-    print(f"preset {args.preset} (random weights, seed {args.seed}), prompt {args.prompt_ids}")
-    print("greedy continuation:", ",".join(map(str, out)))
+    tok = None
+    if args.preset:
+        model = init_random(Transformer(ModelConfig.preset(args.preset), dtype=torch.bfloat16), seed=args.seed)
+        what = f"preset {args.preset} (random weights, seed {args.seed})"
+    else:
+        ckpt = args.checkpoint or EMBEDDED_CHECKPOINT
+        model = load_checkpoint(ckpt, dtype=torch.bfloat16)
+        what = f"checkpoint {ckpt}"
+        if (Path(ckpt) / "tokenizer.json").is_file():
+            from dsv4.model.tokenizer import decode, encode, load_tokenizer
+
+            tok = load_tokenizer(Path(ckpt) / "tokenizer.json")
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+    elif tok is not None:
+        prompt = encode(tok, args.prompt if args.prompt is not None else EMBEDDED_PROMPT, bos=True)
+    else:
+        prompt = [0, 17, 42, 7, 99, 3, 256, 12]
+    out = greedy(model.eval(), prompt, args.max_new_tokens)
+    print(f"{what}, eager bf16, prompt {prompt}")
+    if tok is not None:
+        print(decode(tok, prompt) + decode(tok, out))
+    else:
+        print("greedy continuation:", ",".join(map(str, out)))
     return 0
 
 
@@ -43,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 as a compiled IREE pipeline")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eager", help="greedy continuation with the eager PyTorch model")
-    e.add_argument("--preset", default="tiny")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--prompt-ids", type=_ids, default=[0, 17, 42, 7, 99, 3, 256, 12])
-    e.add_argument("--max-new-tokens", type=int, default=16)
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded small model)")
+    src.add_argument("--preset", help="a ModelConfig preset with random weights (e.g. tiny)")
+    e.add_argument("--seed", type=int, default=0, help="random-weight seed (--preset)")
+    p_src = e.add_mutually_exclusive_group()
+    p_src.add_argument("--prompt", help="prompt text (checkpoints with a tokenizer; default: the fixed prompt)")
+    p_src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids")
+    e.add_argument("--max-new-tokens", type=int, default=32)
     e.set_defaults(fn=cmd_eager)
     c = sub.add_parser("checkpoint", help="make a random-weight checkpoint in the official layout (checkpoint make -h)")
     c.add_argument("action", choices=["make"])

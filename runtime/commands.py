@@ -48,6 +48,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 raise RequestError("prompt is empty")
             prompt = args.prompt
         chunks = eng.stream(prompt, params, add_bos=not args.no_bos)
+        if args.echo and not args.json:
+            if isinstance(prompt, str):
+                sys.stdout.write(prompt)
+            else:
+                sys.stdout.write(eng.decode(prompt) if eng.tokenizer is not None else ",".join(map(str, prompt)) + ",")
         rid = None
         show_text = eng.tokenizer is not None and not args.json
         first = True
@@ -122,6 +127,7 @@ def add_parsers(subparsers: Any) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=cmd_generate)
 
     s = subparsers.add_parser("score", help="log-probabilities and perplexity with a compiled export")
