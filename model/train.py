@@ -1,4 +1,4 @@
-"""Train the embedded "small" DeepSeek-V4 model on CPU, reproducibly, in minutes (issue 6).
+"""Train the embedded "small" DeepSeek-V4 model: on CPU, reproducibly, in minutes, or longer on a GPU.
 
 The model is the exact V4 architecture at toy size (preset "small": sliding-only, CSA with the
 lightning indexer, HCA, hash-routed and score-routed MoE with a shared expert, mHC, MTP) trained on
@@ -40,6 +40,19 @@ Run: ``python -m dsv4.model.train`` writes model/assets/small: the official-layo
 checkpoint (config.json, model.safetensors: what `checkpoint.load_checkpoint` loads, the default),
 the bf16 master (master-bf16.safetensors, this model's state_dict names: `load_master`), the
 tokenizer files and train_log.json (settings, loss curve, timings, evaluations).
+
+A longer run on a GPU (how the shipped model was made; docs/training.md has the commands):
+* ``--save-data DIR`` here writes the tokenized train/eval streams, the tokenizer and the corpus
+  hash: the corpus comes from the local stdlib (its hash is checked against the reference), so it is
+  built here, not on a GPU host with another Python;
+* there, ``--data DIR --device cuda`` trains on them (the model is initialized on the CPU, so the
+  start is the same on any device); ``--eval-every N`` measures the held-out perplexity during
+  training, ``--keep-best true`` returns the weights of the best such evaluation (the corpus is
+  small: a few hundred k tokens, which this model overfits after about ten epochs), ``--snapshot``
+  writes each new best master as it comes, ``--out DIR --no-fp8`` the master + train_log.json;
+* back here, ``--from-master DIR`` evaluates that master on this CPU (bf16 eager), writes the
+  official checkpoint into --out, evaluates and samples it, and writes master + train_log.json
+  (the run's record, with this machine's evaluations added).
 """
 
 from __future__ import annotations
@@ -113,7 +126,8 @@ _F32_LEAVES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_f
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of a training run; the shipped model is `TrainConfig()` (see train_log.json)."""
+    """Every knob of a training run. `TrainConfig()` is the CPU default (500 steps of 4x256); the
+    shipped model's settings are in its train_log.json (a GPU run, docs/training.md)."""
 
     preset: str = "small"
     seed: int = 0
@@ -136,6 +150,15 @@ class TrainConfig:
     threads: int = 1
     log_every: int = 10
     eval_batch: int = 8
+    # where the steps run: "cpu" (the default, bitwise reproducible) or e.g. "cuda" for a longer run
+    device: str = "cpu"
+    # every N steps (0: never) the held-out perplexity of the training model (fp32, max_seq_len =
+    # seq_len, reference MoE kernel) is measured on the first eval_windows_during windows (0: all)
+    eval_every: int = 0
+    eval_windows_during: int = 0
+    # with eval_every: the result is the weights of the evaluation with the lowest perplexity
+    # (early stopping on the held-out curve) instead of the last step's
+    keep_best: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +254,7 @@ def indexer_kl(aux: dict[str, torch.Tensor], attn_scale: float, topk: int) -> tu
     v = vis[rows]
     if v.shape[0] == 0:
         zero = (q.sum() * 0.0) + (w.sum() * 0.0) + (keys.sum() * 0.0)
-        return zero, torch.tensor(float("nan"))
+        return zero, torch.tensor(float("nan"), device=keys.device)
     logp = torch.log_softmax(indexer_scores(q, w, keys).float()[rows].masked_fill(~v, float("-inf")), -1)
     with torch.no_grad():
         s = torch.einsum("bthd,brd->bthr", aux["attn_q"].float(), aux["attn_kv"].float()) * attn_scale
@@ -241,7 +264,7 @@ def indexer_kl(aux: dict[str, torch.Tensor], attn_scale: float, topk: int) -> tu
         sel = aux["sel"][rows]
         choose = n_vis[rows] > topk
         got = (p.gather(-1, sel.clamp(min=0)) * (sel >= 0)).sum(-1)
-        captured = got[choose].mean() if bool(choose.any()) else torch.tensor(float("nan"))
+        captured = got[choose].mean() if bool(choose.any()) else torch.tensor(float("nan"), device=keys.device)
     kl = (torch.xlogy(p, p) - p * logp.masked_fill(~v, 0.0)).sum(-1)
     return kl.mean(), captured
 
@@ -371,9 +394,15 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
 
 
 def train_steps(model: Transformer, sampler: BatchSampler, tcfg: TrainConfig, steps: int | None = None,
-                log: Callable[[str], None] | None = print) -> list[dict[str, float]]:
-    """Run the optimization loop on `model` (fp32, training config); returns per-step metrics."""
+                log: Callable[[str], None] | None = print,
+                on_eval: Callable[[int], float] | None = None) -> list[dict[str, float]]:
+    """Run the optimization loop on `model` (fp32, training config); returns per-step metrics.
+
+    Batches go to the model's device. With tcfg.eval_every and `on_eval` (step -> held-out ppl, run
+    with the model in eval mode and gradients off), each eval_every-th step and the last record it
+    as `eval_ppl`."""
     steps = tcfg.steps if steps is None else steps
+    dev = next(model.parameters()).device
     opt = make_optimizer(model, tcfg)
     load = ExpertLoad(model)
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -385,7 +414,7 @@ def train_steps(model: Transformer, sampler: BatchSampler, tcfg: TrainConfig, st
             lr = lr_at(step, tcfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            batch = sampler.batch(step)
+            batch = sampler.batch(step).to(dev)
             kernels = {"moe_experts": routed_moe_experts} if tcfg.routed_moe else {}
             with quant_sim.straight_through(tcfg.quant_sim), overrides(kernels):
                 out = compute_losses(model, batch, tcfg.mtp_weight, tcfg.indexer_weight)
@@ -403,6 +432,13 @@ def train_steps(model: Transformer, sampler: BatchSampler, tcfg: TrainConfig, st
             rec.update(step=step + 1, lr=lr, grad_norm=float(gnorm), load_max_over_mean=imbalance,
                        tokens=(step + 1) * batch.shape[0] * (batch.shape[1] - 2), wall_s=time.perf_counter() - t0,
                        cpu_s=time.process_time() - c0)
+            if on_eval is not None and tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == steps):
+                model.eval()
+                with torch.no_grad():
+                    rec["eval_ppl"] = on_eval(step + 1)
+                model.train()
+                if log:
+                    log(f"step {step + 1:5d}/{steps}  held-out ppl {rec['eval_ppl']:.2f}  ({rec['wall_s']:.0f} s)")
             history.append(rec)
             if log and ((step + 1) % tcfg.log_every == 0 or step == 0 or step + 1 == steps):
                 log(f"step {step + 1:5d}/{steps}  loss {rec['loss']:.4f}  lm {rec['lm']:.4f}  "
@@ -426,13 +462,15 @@ def evaluate(model: Transformer, stream: torch.Tensor, seq_len: int, batch_size:
     n = (len(stream) - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)
+    dev = model.embed.weight.device
     nll, count = 0.0, 0
     for a in range(0, n, batch_size):
         rows = torch.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(a, min(n, a + batch_size))])
+        rows = rows.to(dev)
         B = rows.shape[0]
-        state = new_state(model.cfg, B, model.dtype)
-        logits = model(rows[:, :-1], torch.zeros(B, dtype=torch.long), torch.full((B,), seq_len),
-                       torch.arange(B), state, all_logits=True)
+        state = new_state(model.cfg, B, model.dtype, device=dev)
+        logits = model(rows[:, :-1], torch.zeros(B, dtype=torch.long, device=dev),
+                       torch.full((B,), seq_len, device=dev), torch.arange(B, device=dev), state, all_logits=True)
         nll += float(F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum"))
         count += rows[:, 1:].numel()
     return {"nll": nll / count, "ppl": math.exp(nll / count), "tokens": count}
@@ -466,8 +504,8 @@ def cast_model(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> Tran
 
 def _master_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() and name.rsplit(".", 1)[-1] not in _F32_LEAVES:
-        return t.detach().to(torch.bfloat16).contiguous()
-    return t.detach().contiguous()
+        return t.detach().to("cpu", torch.bfloat16).contiguous()
+    return t.detach().cpu().contiguous()
 
 
 def master_state(model: Transformer) -> dict[str, torch.Tensor]:
@@ -523,16 +561,60 @@ class TrainResult:
     eval_ids: torch.Tensor  # the held-out token stream
 
 
-def _prepare(tcfg: TrainConfig):
-    from .corpus import build_corpus
-    from .tokenizer import train_tokenizer
+@dataclass(frozen=True)
+class _CorpusInfo:
+    """What the log records of a corpus whose token streams were prepared elsewhere (`--data`)."""
 
-    corpus = build_corpus()
+    sha256: str
+    matches_reference: bool
+    reference_sha256: str | None
+
+
+DATA_STREAMS = "streams.safetensors"
+DATA_INFO = "corpus.json"
+
+
+def _prepare(tcfg: TrainConfig, data: str | Path | None = None):
+    """Corpus info, preset config, tokenizer and the train/eval token streams: built from the local
+    stdlib (the corpus is checked against its reference hash), or loaded from a folder written by
+    `save_data` (for a machine whose Python differs, e.g. the GPU host)."""
+    from .tokenizer import load_tokenizer
+
     cfg = ModelConfig.preset(tcfg.preset, quant_sim=tcfg.quant_sim)
-    tok = train_tokenizer(corpus.train_docs, vocab_size=cfg.vocab_size)
+    if data is not None:
+        d = Path(data)
+        info = json.loads((d / DATA_INFO).read_text())
+        corpus: Any = _CorpusInfo(info["sha256"], info["matches_reference"], info["reference_sha256"])
+        tok = load_tokenizer(d)
+        streams = load_file(str(d / DATA_STREAMS))
+        train_ids, eval_ids = streams["train"].long(), streams["eval"].long()
+    else:
+        from .corpus import build_corpus
+        from .tokenizer import train_tokenizer
+
+        corpus = build_corpus()
+        tok = train_tokenizer(corpus.train_docs, vocab_size=cfg.vocab_size)
+        train_ids, eval_ids = token_stream(tok, corpus.train_docs), token_stream(tok, corpus.eval_docs)
     if tok.get_vocab_size() != cfg.vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, the preset {cfg.vocab_size}")
-    return corpus, cfg, tok, token_stream(tok, corpus.train_docs), token_stream(tok, corpus.eval_docs)
+    return corpus, cfg, tok, train_ids, eval_ids
+
+
+def save_data(tcfg: TrainConfig, directory: str | Path) -> Path:
+    """Build the corpus, tokenizer and token streams here and write them for `--data`: tokenizer
+    files, streams.safetensors (int32 train/eval streams) and corpus.json (hash, reference check)."""
+    from .tokenizer import save_tokenizer
+
+    corpus, cfg, tok, train_ids, eval_ids = _prepare(tcfg)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(tok, out, model_max_length=cfg.max_seq_len)
+    save_file({"train": train_ids.int().contiguous(), "eval": eval_ids.int().contiguous()}, str(out / DATA_STREAMS))
+    (out / DATA_INFO).write_text(json.dumps({
+        "sha256": corpus.sha256, "matches_reference": corpus.matches_reference,
+        "reference_sha256": corpus.reference_sha256, "python": platform.python_version(),
+        "train_tokens": len(train_ids), "eval_tokens": len(eval_ids)}, indent=1) + "\n")
+    return out
 
 
 def _cpu_name() -> str:
@@ -545,14 +627,27 @@ def _cpu_name() -> str:
     return platform.machine()
 
 
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device}: {torch.cuda.get_device_name(torch.device(device))}, CUDA {torch.version.cuda}"
+    return device
+
+
 def train(tcfg: TrainConfig = TrainConfig(), log: Callable[[str], None] | None = print,
-          eval_windows: int | None = None, sample_tokens: int = 40) -> TrainResult:
+          eval_windows: int | None = None, sample_tokens: int = 40, data: str | Path | None = None,
+          on_best: Callable[[Transformer, dict[str, Any]], None] | None = None) -> TrainResult:
     """Tokenizer + model from the seed, `tcfg.steps` steps, then held-out eval (fp32 and bf16 eager)
-    and a greedy sample. Deterministic for a given seed, torch build and machine."""
+    and a greedy sample. Deterministic for a given seed, torch build and machine (on CPU; CUDA
+    kernels with atomics, e.g. index_add, may change the last bits from run to run).
+
+    data: a folder from `save_data` instead of building corpus and tokenizer here. on_best(model,
+    info): called after each periodic evaluation (tcfg.eval_every) that improves the held-out ppl.
+    The model is initialized on the CPU (same weights on any device), then moved to tcfg.device;
+    the final evaluations and the sample run on the CPU."""
     torch.manual_seed(tcfg.seed)
     torch.set_num_threads(tcfg.threads)
     torch.set_flush_denormal(True)  # denormal fp32 arithmetic is ~100x slower on x86
-    corpus, cfg, tok, train_ids, eval_ids = _prepare(tcfg)
+    corpus, cfg, tok, train_ids, eval_ids = _prepare(tcfg, data)
     if log:
         ref = "matches" if corpus.matches_reference else f"DIFFERS from {corpus.reference_sha256}"
         log(f"corpus sha256 {corpus.sha256} ({ref}); train {len(train_ids):,} tokens, eval {len(eval_ids):,}")
@@ -562,9 +657,32 @@ def train(tcfg: TrainConfig = TrainConfig(), log: Callable[[str], None] | None =
     if log:
         log(f"preset {tcfg.preset}: {n_params:,} parameters; {tcfg.steps} steps of {tcfg.batch_size}x{tcfg.seq_len}")
     sampler = BatchSampler(train_ids, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
+    model.to(tcfg.device)
+    best: dict[str, Any] = {"ppl": math.inf}
+    evals: list[dict[str, float]] = []
+
+    def on_eval(step: int) -> float:
+        n = tcfg.eval_windows_during or None
+        ppl = evaluate(model, eval_ids, tcfg.seq_len, tcfg.eval_batch, n)["ppl"]
+        evals.append({"step": step, "tokens": step * tcfg.batch_size * tcfg.seq_len, "ppl": round(ppl, 3)})
+        if ppl < best["ppl"]:
+            best.update(ppl=ppl, step=step)
+            if tcfg.keep_best:
+                best["state"] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if on_best is not None:
+                on_best(model, dict(step=step, ppl=ppl))
+        return ppl
+
     t0 = time.perf_counter()
-    history = train_steps(model, sampler, tcfg, log=log)
+    history = train_steps(model, sampler, tcfg, log=log, on_eval=on_eval if tcfg.eval_every else None)
+    if tcfg.device.startswith("cuda"):
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    model.to("cpu")
+    if tcfg.keep_best and "state" in best:
+        model.load_state_dict(best.pop("state"))
+        if log:
+            log(f"keeping the weights of step {best['step']} (held-out ppl {best['ppl']:.2f} during training)")
 
     from .tokenizer import decode, encode
 
@@ -589,6 +707,7 @@ def train(tcfg: TrainConfig = TrainConfig(), log: Callable[[str], None] | None =
         "machine": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "threads": tcfg.threads,
+        "device": _device_name(tcfg.device),
         "train_tokens": tokens,
         "train_wall_s": round(wall, 1),
         "tokens_per_s": round(tokens / wall, 1) if wall else None,
@@ -596,15 +715,82 @@ def train(tcfg: TrainConfig = TrainConfig(), log: Callable[[str], None] | None =
         "train_cpu_s": round(history[-1]["cpu_s"], 1) if history else None,
         "tokens_per_cpu_s": round(tokens / history[-1]["cpu_s"], 1) if history else None,
         "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "eval_during_training": evals,
+        "kept_step": best.get("step") if tcfg.keep_best else None,
+        # the tokens the returned weights were trained on (train_tokens counts every step run)
+        "kept_tokens": best["step"] * tcfg.batch_size * tcfg.seq_len if tcfg.keep_best and "step" in best else tokens,
         "eval_fp32": ev32,
         "eval_bf16": ev16,
         "prompt": DEFAULT_PROMPT,
         "greedy_bf16": sample,
         "curve": [{k: round(h[k], 4) for k in ("step", "loss", "lm", "mtp", "indexer_kl", "indexer_captured",
-                                               "load_max_over_mean", "wall_s")
+                                               "load_max_over_mean", "wall_s", "eval_ppl")
                    if k in h} for h in history if h["step"] % tcfg.log_every == 0 or h["step"] == 1],
     }
     return TrainResult(model, cfg, tok, history, record, eval_ids)
+
+
+def finish(res: TrainResult, out: str | Path, eval_windows: int | None = None, fp8: bool = True,
+           log: Callable[[str], None] | None = print) -> None:
+    """Write the run into `out`: the official FP8/MXFP4 checkpoint (evaluated and sampled here, bf16
+    eager), then the bf16 master, tokenizer and train_log.json (res.record)."""
+    seq_len, eval_batch = res.record["train_config"]["seq_len"], res.record["train_config"]["eval_batch"]
+    if fp8:
+        from .checkpoint import load_checkpoint, write_checkpoint
+        from .tokenizer import decode, encode
+
+        # first: with overwrite it removes every *.safetensors in the folder (an older master too)
+        write_checkpoint(res.model, res.cfg, out, tokenizer=res.tokenizer, overwrite=True, progress=False)
+        q = load_checkpoint(out, dtype=torch.bfloat16, progress=False)
+        evq = evaluate(q, res.eval_ids, seq_len, eval_batch, eval_windows)
+        sample = decode(res.tokenizer, greedy(q, encode(res.tokenizer, DEFAULT_PROMPT, bos=True), 40))
+        res.record["eval_fp8_checkpoint"] = evq
+        res.record["greedy_fp8_checkpoint"] = sample
+        if log:
+            log(f"official FP8/MXFP4 checkpoint: held-out ppl (bf16 eager) {evq['ppl']:.2f}")
+            log(f"greedy: {DEFAULT_PROMPT!r} -> {sample!r}")
+    written = save_master(res.model, res.cfg, out, res.tokenizer, res.record)
+    if log:
+        log(f"wrote {written}")
+
+
+def from_master(master: str | Path, tcfg: TrainConfig | None = None, data: str | Path | None = None,
+                eval_windows: int | None = None, sample_tokens: int = 40, threads: int = 1,
+                log: Callable[[str], None] | None = print) -> TrainResult:
+    """A TrainResult from a master folder written by a run elsewhere (config.json,
+    master-bf16.safetensors, train_log.json): its record, evaluated here (bf16 eager on this
+    machine's CPU) and sampled, ready for `finish`. The run's own end-of-training evaluations are
+    kept under "run_eval_fp32" / "run_eval_bf16" / "run_greedy_bf16"."""
+    d = Path(master)
+    record = json.loads((d / "train_log.json").read_text())
+    tcfg = tcfg or TrainConfig(**{**record["train_config"], "betas": tuple(record["train_config"]["betas"])})
+    torch.set_num_threads(threads)  # this machine's, not the run's
+    torch.set_flush_denormal(True)
+    corpus, cfg, tok, _, eval_ids = _prepare(tcfg, data)
+    if corpus.sha256 != record["corpus_sha256"]:
+        raise RuntimeError(f"corpus {corpus.sha256} differs from the run's {record['corpus_sha256']}")
+    model = load_master(d, torch.float32)
+    if model.cfg != cfg:
+        raise RuntimeError("the master's config is not the preset's")
+    from .tokenizer import decode, encode
+
+    bf16 = master_model(model, cfg)
+    t1 = time.perf_counter()
+    ev16 = evaluate(bf16, eval_ids, tcfg.seq_len, tcfg.eval_batch, eval_windows)
+    sample = decode(tok, greedy(bf16, encode(tok, DEFAULT_PROMPT, bos=True), sample_tokens)) if sample_tokens else ""
+    if log:
+        log(f"held-out ppl here: bf16 eager {ev16['ppl']:.2f} over {ev16['tokens']:,} tokens "
+            f"(eval {time.perf_counter() - t1:.0f} s)")
+        log(f"greedy bf16: {DEFAULT_PROMPT!r} -> {sample!r}")
+    for k in ("eval_fp32", "eval_bf16", "greedy_bf16"):
+        if k in record:
+            record["run_" + k] = record.pop(k)
+    if "kept_tokens" not in record and record.get("kept_step"):
+        record["kept_tokens"] = record["kept_step"] * tcfg.batch_size * tcfg.seq_len
+    record.update(eval_bf16=ev16, greedy_bf16=sample, finished_here={
+        "from_master": str(d), "python": platform.python_version(), "torch": torch.__version__,
+        "machine": _cpu_name(), "threads": threads})
+    return TrainResult(model, cfg, tok, [], record, eval_ids)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -623,24 +809,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="model folder: official checkpoint + bf16 master + tokenizer ('' = write nothing)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the official FP8/MXFP4 checkpoint")
     ap.add_argument("--eval-windows", type=int, default=None, help="evaluate on the first N windows only")
+    ap.add_argument("--save-data", metavar="DIR", help="only write corpus token streams + tokenizer to DIR")
+    ap.add_argument("--data", metavar="DIR", help="train on the streams + tokenizer of --save-data DIR")
+    ap.add_argument("--snapshot", metavar="DIR",
+                    help="with --eval-every: write the bf16 master (+ log so far) of each new best evaluation")
+    ap.add_argument("--from-master", metavar="DIR",
+                    help="no training: finish a master folder trained elsewhere (its train_log.json gives "
+                         "the settings) into --out: evaluate here, official checkpoint, master, log")
     args = ap.parse_args(argv)
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "betas"})
-    res = train(tcfg, eval_windows=args.eval_windows)
-    if args.out and not args.no_fp8:
-        from .checkpoint import load_checkpoint, write_checkpoint
-        from .tokenizer import decode, encode
-
-        # first: with overwrite it removes every *.safetensors in the folder (an older master too)
-        write_checkpoint(res.model, res.cfg, args.out, tokenizer=res.tokenizer, overwrite=True, progress=False)
-        q = load_checkpoint(args.out, dtype=torch.bfloat16, progress=False)
-        evq = evaluate(q, res.eval_ids, tcfg.seq_len, tcfg.eval_batch, args.eval_windows)
-        sample = decode(res.tokenizer, greedy(q, encode(res.tokenizer, DEFAULT_PROMPT, bos=True), 40))
-        res.record["eval_fp8_checkpoint"] = evq
-        res.record["greedy_fp8_checkpoint"] = sample
-        print(f"official FP8/MXFP4 checkpoint: held-out ppl (bf16 eager) {evq['ppl']:.2f}")
-        print(f"greedy: {DEFAULT_PROMPT!r} -> {sample!r}")
+    if args.save_data:
+        print(f"wrote {save_data(tcfg, args.save_data)}")
+        return
+    if args.from_master:
+        res = from_master(args.from_master, data=args.data, eval_windows=args.eval_windows, threads=args.threads)
+    else:
+        on_best = None
+        if args.snapshot:
+            def on_best(model: Transformer, info: dict[str, Any]) -> None:
+                cfg = ModelConfig.preset(tcfg.preset, quant_sim=tcfg.quant_sim)
+                save_master(model, cfg, args.snapshot, record={"train_config": dataclasses.asdict(tcfg), **info})
+        res = train(tcfg, eval_windows=args.eval_windows, data=args.data, on_best=on_best)
     if args.out:
-        print(f"wrote {save_master(res.model, res.cfg, args.out, res.tokenizer, res.record)}")
+        finish(res, args.out, args.eval_windows, fp8=not args.no_fp8)
     json.dump({k: v for k, v in res.record.items() if k != "curve"}, sys.stdout, indent=1)
     print()
 

@@ -214,6 +214,55 @@ def test_batches_are_a_function_of_the_seed():
     assert a.batch(0).shape == (2, SEQ + 2)
 
 
+def test_train_steps_evaluates_every_n_steps():
+    torch.manual_seed(0)
+    model = micro()
+    seen = []
+
+    def on_eval(step):
+        seen.append((step, model.training, torch.is_grad_enabled()))
+        return float(step)
+
+    hist = T.train_steps(model, T.BatchSampler(stream(), SEQ, 2, 0), tcfg(steps=5, eval_every=2), log=None,
+                         on_eval=on_eval)
+    assert seen == [(2, False, False), (4, False, False), (5, False, False)]  # every 2nd and the last
+    assert [h.get("eval_ppl") for h in hist] == [None, 2.0, None, 4.0, 5.0]
+
+
+def test_prepared_data_early_stopping_and_finishing_from_a_master(tmp_path):
+    """--save-data/--data give the same streams and tokenizer as building them here; keep_best returns
+    the weights of the best periodic evaluation; --from-master + finish rebuild the run's result."""
+    c = tcfg(steps=4, eval_every=2, eval_windows_during=2, keep_best=True, eval_batch=2)
+    data = T.save_data(c, tmp_path / "data")
+    built, loaded = T._prepare(c), T._prepare(c, data)
+    assert loaded[0].sha256 == built[0].sha256 and loaded[0].matches_reference == built[0].matches_reference
+    assert loaded[2].to_str() == built[2].to_str()
+    assert torch.equal(loaded[3], built[3]) and torch.equal(loaded[4], built[4])
+
+    bests = []
+    res = T.train(c, log=None, eval_windows=1, sample_tokens=2, data=data,
+                  on_best=lambda model, info: bests.append(info))
+    evals = res.record["eval_during_training"]
+    assert [e["step"] for e in evals] == [2, 4]
+    best = min(evals, key=lambda e: e["ppl"])
+    assert res.record["kept_step"] == best["step"] == bests[-1]["step"]
+    assert res.record["kept_tokens"] == best["step"] * c.batch_size * c.seq_len
+    again = T.evaluate(res.model, res.eval_ids, c.seq_len, c.eval_batch, c.eval_windows_during)
+    assert again["ppl"] == pytest.approx(bests[-1]["ppl"], rel=1e-5)  # the returned weights are the best's
+
+    T.save_master(res.model, res.cfg, tmp_path / "run", res.tokenizer, res.record)
+    fin = T.from_master(tmp_path / "run", data=data, eval_windows=1, sample_tokens=2, log=None)
+    a, b = T.master_state(res.model), T.master_state(fin.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert fin.record["eval_bf16"] == res.record["eval_bf16"]  # same bytes, same machine
+    assert fin.record["run_eval_bf16"] == res.record["eval_bf16"] and "finished_here" in fin.record
+    T.finish(fin, tmp_path / "out", eval_windows=1, fp8=False, log=None)
+    log = json.loads((tmp_path / "out" / "train_log.json").read_text())
+    assert log["kept_step"] == best["step"] and log["train_config"]["keep_best"] is True
+    out = T.load_master(tmp_path / "out")
+    assert all(torch.equal(v, out.state_dict()[k]) for k, v in b.items())
+
+
 # ---------------------------------------------------------------------------------------------
 # the shipped model
 
@@ -258,3 +307,21 @@ def test_shipped_fp8_checkpoint_loads_and_is_trained():
     tok = load_tokenizer(FP8)
     ev = T.evaluate(model, _eval_stream(tok), 256, batch_size=8, max_windows=8)
     assert ev["ppl"] < 2 * _log()["eval_bf16"]["ppl"], ev
+
+
+@pytest.mark.skipif(not (FP8 / "model.safetensors").exists(), reason="no shipped FP8 checkpoint")
+def test_shipped_model_continues_the_prompt_without_looping():
+    """The fixed prompt's greedy continuation (what `dsv4 eager` prints) is varied text, not a loop
+    over a few words (the first, 512k-token model gave 'The "s" is a "s" is a "s"')."""
+    import re
+
+    from dsv4.model.checkpoint import load_checkpoint
+    from dsv4.model.tokenizer import decode, encode, load_tokenizer
+
+    model = load_checkpoint(FP8, dtype=torch.bfloat16, progress=False)
+    tok = load_tokenizer(FP8)
+    text = decode(tok, T.greedy(model, encode(tok, T.DEFAULT_PROMPT, bos=True), 40))
+    words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+    assert len(words) >= 12, text
+    assert len(set(words)) >= 0.6 * len(words), text
+    assert sum(len(w) >= 4 for w in set(words)) >= 6, text
