@@ -5,6 +5,7 @@ for the same config, prompt and batch sizes. A benchmark, not a test: numbers de
 
     python bench/decode_tps.py --export-dir OUT            # an existing export
     python bench/decode_tps.py --preset tiny               # export the preset first (~15 min on 2 cores)
+    python bench/decode_tps.py --export-dir out/default --checkpoint model/assets/small   # make run's export
 
 Both sides: prefill a P-token prompt per sequence (not timed), then time N greedy decode steps
 over a batch of B sequences. tokens/s = B * N / seconds. The eager model gets random weights of
@@ -46,8 +47,10 @@ def bench_compiled(export_dir: Path, prompt: list[int], batch: int, steps: int, 
     return out
 
 
-def bench_eager(cfg_dict: dict, dtype_name: str, prompt: list[int], batch: int, steps: int) -> dict:
-    """Decode tokens/s of the eager model: one batched forward per step over B slots."""
+def bench_eager(cfg_dict: dict, dtype_name: str, prompt: list[int], batch: int, steps: int,
+                checkpoint: Path | None = None, device: str = "cpu") -> dict:
+    """Decode tokens/s of the eager model: one batched forward per step over B slots. The weights:
+    `checkpoint` (as exported from it, low-bit kept low-bit) or random ones of the export's config."""
     import torch
 
     from dsv4.model.config import ModelConfig
@@ -56,24 +59,31 @@ def bench_eager(cfg_dict: dict, dtype_name: str, prompt: list[int], batch: int, 
 
     cfg = ModelConfig.from_dict(cfg_dict)
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
-    model = init_random(Transformer(cfg, dtype=dtype), seed=0).eval()
-    i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    if checkpoint is not None:
+        from dsv4.model.checkpoint import load_checkpoint
+
+        model = load_checkpoint(checkpoint, dtype=dtype, overrides={"max_seq_len": cfg.max_seq_len})
+    else:
+        model = init_random(Transformer(cfg, dtype=dtype), seed=0)
+    model = model.eval().to(device)
+    i64 = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
     out = {}
     with torch.no_grad():
         for rep in range(2):
-            state = new_state(cfg, batch, dtype)
+            state = new_state(cfg, batch, dtype, device=device)
             t0 = time.perf_counter()
             nxt = []
             for b in range(batch):
-                lg = model(torch.tensor([prompt]), i64([0]), i64([len(prompt)]), i64([b]), state)
+                lg = model(i64([prompt]), i64([0]), i64([len(prompt)]), i64([b]), state)
                 nxt.append(int(lg[0].argmax()))
             t1 = time.perf_counter()
-            tok = torch.tensor(nxt).view(batch, 1)
-            slots, ones = torch.arange(batch), torch.ones(batch, dtype=torch.long)
+            tok = i64(nxt).view(batch, 1)
+            slots, ones = torch.arange(batch, device=device), torch.ones(batch, dtype=torch.long, device=device)
             for s in range(steps):
-                pos = torch.full((batch,), len(prompt) + s, dtype=torch.long)
+                pos = torch.full((batch,), len(prompt) + s, dtype=torch.long, device=device)
                 lg = model(tok, pos, ones, slots, state)
                 tok = lg.argmax(-1).view(batch, 1)
+            tok.cpu()  # waits for the device
             t2 = time.perf_counter()
             out = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "tps": batch * steps / (t2 - t1)}
     return out
@@ -105,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="local-task")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="eager weights: the checkpoint the export was made from (default: random, seed 0)")
+    ap.add_argument("--eager-device", default="cpu", help="torch device of the eager model (cpu, cuda)")
     ap.add_argument("--dtype", default="float32", help="activation dtype when exporting --preset")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -125,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-            e = bench_eager(cfg["model"], cfg.get("activation_dtype", "bfloat16"), prompt, b, args.steps)
-            rows.append((f"eager torch ({args.threads} thr)", b, e))
+            e = bench_eager(cfg["model"], cfg.get("activation_dtype", "bfloat16"), prompt, b, args.steps,
+                            args.checkpoint, args.eager_device)
+            where = f"{args.threads} thr" if args.eager_device == "cpu" else args.eager_device
+            rows.append((f"eager torch ({where})", b, e))
     if args.json:
         print(json.dumps([{"backend": n, "batch": b, **{k: v for k, v in r.items() if k != "tokens"}}
                           for n, b, r in rows]))

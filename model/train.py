@@ -82,6 +82,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from . import quant_sim  # noqa: E402
+from .checkpoint import EMBEDDED_PROMPT  # noqa: E402
 from .config import ModelConfig  # noqa: E402
 from .kernels import overrides  # noqa: E402
 from .kernels.indexer import indexer_scores  # noqa: E402
@@ -115,7 +116,7 @@ __all__ = [
 ]
 
 MASTER_FILE = "master-bf16.safetensors"
-DEFAULT_PROMPT = "The list data type has some more methods."
+DEFAULT_PROMPT = EMBEDDED_PROMPT  # the fixed prompt of `make run` (defined beside the checkpoint location)
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 # Small fp32 tensors the official checkpoint also keeps in fp32 (spec §4.2); everything else
