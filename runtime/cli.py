@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad requests get one line, not a traceback
         print(f"dsv4 {args.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # a runtime-only install (no torch / turbine / compiler)
+        if (err.name or "").split(".")[0] not in ("torch", "iree", "safetensors", "ml_dtypes"):
+            raise
+        print(f"dsv4 {args.cmd}: error: needs the 'export' extra ({err.name} is not installed): "
+              "pip install 'dsv4-iree[export]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

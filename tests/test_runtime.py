@@ -295,7 +295,7 @@ _BLOCKER = textwrap.dedent("""
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name.split('.')[0] == 'torch' or name.startswith(('iree.compiler', 'iree.turbine')):
-                raise ImportError('blocked: ' + name)
+                raise ModuleNotFoundError('blocked: ' + name, name=name)  # as if not installed
             return None
     sys.meta_path.insert(0, Block())
 """)
@@ -318,6 +318,18 @@ def test_runtime_imports_without_torch_or_compiler() -> None:
     assert r.returncode == 0, r.stderr
     assert "OK" in r.stdout
     assert "export directory /nonexistent does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["export", "-o", "/tmp/never-written"], ["eager"]])
+def test_torch_commands_on_a_runtime_only_install_say_what_is_missing(cmd) -> None:
+    """The base install is the runtime; `dsv4 export` / `dsv4 eager` there name the missing extra."""
+    code = _BLOCKER + textwrap.dedent(f"""
+        from dsv4.runtime.cli import main
+        sys.exit(main({cmd!r}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert "needs the 'export' extra" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_bad_request_exits_2(tmp_path: Path) -> None:
