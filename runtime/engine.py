@@ -14,9 +14,10 @@ Shape of the runtime (iree-notes §3, anchors §5):
   not depend on what else is in the batch.
 
 Scheduling: ``submit()`` queues a request; each ``step()`` first admits queued requests while
-slots are free (each is prefilled on its own, in chunks of at most ``prefill.max_tokens``
-tokens, and yields its first token), then runs one decode step for every request that was
-already running, several requests per ``decode_bs{N}`` call. Requests join and leave between
+slots are free (the requests admitted together are prefilled together, several per
+``prefill_bs{N}`` call, each prompt in chunks of at most ``prefill.max_tokens`` tokens, and
+each yields its first token), then runs one decode step for every request that was already
+running, several requests per ``decode_bs{N}`` call. Requests join and leave between
 steps, which is the base of continuous batching. ``generate``/``generate_batch``/``stream`` are
 loops over ``step()``.
 
@@ -539,7 +540,7 @@ class Engine:
         self._running: list[_Request] = []
         self._done: dict[int, GenerationResult] = {}
         self._next_id = 0
-        self.stats = {"prefill_calls": 0, "decode_calls": 0, "decode_rows": 0, "decode_padded_rows": 0}
+        self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0, "decode_rows": 0, "decode_padded_rows": 0}
 
     # ---- loading helpers -------------------------------------------------------------------
     def _zeros(self, s: StateSpec):
@@ -702,11 +703,13 @@ class Engine:
         """Admit queued requests (prefill + first token), then one decode step for the others."""
         events: list[StreamChunk] = []
         decoding = [r for r in self._running if not r.finished]
+        admitted = []
         while self._queue and self.slots.n_free:
             r = self._queue.popleft()
             r.slot = self.slots.allocate()
             self._running.append(r)
-            logits, argmax = self._prefill(r.prompt, r.slot, need_logits=not r.params.greedy)
+            admitted.append(r)
+        for r, (logits, argmax) in zip(admitted, self._prefill(admitted)):
             r.pos = len(r.prompt)
             events.append(self._accept(r, logits, argmax))
         if decoding:
@@ -722,27 +725,43 @@ class Engine:
         res = self._fn(fname)(tokens, start, lengths, slots, *self._state)
         return res[0], res[1]
 
-    def _prefill(self, ids: Sequence[int], slot: int, need_logits: bool, start: int = 0) -> tuple[np.ndarray | None, int]:
-        """Write ``ids`` at positions start.. of ``slot`` in chunks; logits/argmax at the last token."""
+    def _prefill(self, reqs: list[_Request]) -> list[tuple[np.ndarray | None, int]]:
+        """Write each request's prompt into its slot, several requests per call (padding to an
+        exported prefill batch size), each prompt in chunks of at most ``prefill.max_tokens``; a row
+        whose prompt is done rides along with length 0 (its state untouched). Returns (logits or
+        None, argmax) at each prompt's last token."""
         cfg = self.config
-        bs = pick_batch_size(1, cfg.prefill_batch_sizes, cfg.n_slots)
-        rows = np.asarray(pad_rows([slot], bs, cfg.n_slots), dtype=np.int64)
         step = cfg.prefill_max_tokens
-        logits_d = argmax_d = None
-        for s in range(0, len(ids), step):
-            piece = ids[s:s + step]
-            T = max(len(piece), cfg.prefill_min_tokens)
-            tokens = np.zeros((bs, T), dtype=np.int64)
-            tokens[0, :len(piece)] = piece
-            sp = np.zeros(bs, np.int64)
-            sp[0] = start + s
-            ln = np.zeros(bs, np.int64)
-            ln[0] = len(piece)
-            logits_d, argmax_d = self._call(f"prefill_bs{bs}", tokens, sp, ln, rows)
-            self.stats["prefill_calls"] += 1
-        argmax = int(np.asarray(argmax_d.to_host()).reshape(-1)[0])
-        logits = np.asarray(logits_d.to_host())[0] if need_logits else None
-        return logits, argmax
+        out: list[tuple[np.ndarray | None, int]] = []
+        i = 0
+        while i < len(reqs):
+            bs = pick_batch_size(len(reqs) - i, cfg.prefill_batch_sizes, cfg.n_slots)
+            group = reqs[i:i + bs]
+            i += len(group)
+            rows = np.asarray(pad_rows([r.slot for r in group], bs, cfg.n_slots), dtype=np.int64)
+            last: list[tuple[np.ndarray | None, int]] = [(None, -1)] * len(group)
+            for s in range(0, max(len(r.prompt) for r in group), step):
+                pieces = [r.prompt[s:s + step] for r in group]
+                T = max(max(len(p) for p in pieces), cfg.prefill_min_tokens)
+                tokens = np.zeros((bs, T), dtype=np.int64)
+                sp = np.zeros(bs, np.int64)
+                ln = np.zeros(bs, np.int64)
+                for k, p in enumerate(pieces):
+                    tokens[k, :len(p)] = p
+                    sp[k] = s
+                    ln[k] = len(p)
+                logits_d, argmax_d = self._call(f"prefill_bs{bs}", tokens, sp, ln, rows)
+                self.stats["prefill_calls"] += 1
+                self.stats["prefill_rows"] += sum(1 for p in pieces if p)
+                ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
+                if ending:
+                    argmax = np.asarray(argmax_d.to_host()).reshape(-1)
+                    logits = (np.asarray(logits_d.to_host())
+                              if any(not group[k].params.greedy for k in ending) else None)
+                    for k in ending:
+                        last[k] = (None if logits is None else logits[k], int(argmax[k]))
+            out.extend(last)
+        return out
 
     def _decode(self, reqs: list[_Request]) -> list[StreamChunk]:
         cfg = self.config

@@ -562,6 +562,11 @@ def test_toy_batched_equals_solo(toy_engine) -> None:
     rows = toy_engine.stats["decode_rows"] - before["decode_rows"]
     assert rows > 2 * calls  # really batched
     assert toy_engine.stats["decode_padded_rows"] > before["decode_padded_rows"]  # and padded
+    # the first four were admitted together: prefilled two per prefill_bs2 call, chunk by chunk
+    first = TOY_PROMPTS[:4]
+    chunks = sum(max(-(-len(p) // TOY_TMAX) for p in first[k:k + 2]) for k in (0, 2))
+    assert toy_engine.stats["prefill_rows"] - before["prefill_rows"] >= sum(-(-len(p) // TOY_TMAX) for p in first)
+    assert toy_engine.stats["prefill_calls"] - before["prefill_calls"] <= chunks + len(TOY_PROMPTS) - 4
 
 
 def test_toy_continuous_join(toy_engine) -> None:
@@ -764,8 +769,8 @@ def _tiny_model():
     return cfg, init_random(Transformer(cfg, dtype=torch.float32), seed=TINY_SEED).eval()
 
 
-# prefill bs1 only (the engine prefills one request at a time); decode bs 1 and 4
-TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=TINY_SLOTS,
+# prefill and decode bs 1 and 4: requests admitted together prefill in one call
+TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=TINY_SLOTS,
                         max_chunk=TINY_CHUNK)
 
 
