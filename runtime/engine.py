@@ -725,6 +725,29 @@ class Engine:
         res = self._fn(fname)(tokens, start, lengths, slots, *self._state)
         return res[0], res[1]
 
+    def _groups(self, reqs: list[_Request], sizes: Sequence[int]) -> Iterator[tuple[list[_Request], int, np.ndarray]]:
+        """The calls that serve ``reqs``: (requests, exported batch size, slot of every row incl.
+        the padding rows), largest usable batch size first."""
+        i = 0
+        while i < len(reqs):
+            bs = pick_batch_size(len(reqs) - i, sizes, self.config.n_slots)
+            group = reqs[i:i + bs]
+            i += len(group)
+            yield group, bs, np.asarray(pad_rows([r.slot for r in group], bs, self.config.n_slots), dtype=np.int64)
+
+    def _call_rows(self, fname: str, bs: int, rows: np.ndarray, pieces: Sequence[Sequence[int]],
+                   starts: Sequence[int], T: int) -> tuple[Any, Any]:
+        """``fname`` on row k = pieces[k] at position starts[k]; rows past the pieces (and empty
+        pieces) have length 0."""
+        tokens = np.zeros((bs, T), dtype=np.int64)
+        sp = np.zeros(bs, np.int64)
+        ln = np.zeros(bs, np.int64)
+        for k, (p, st) in enumerate(zip(pieces, starts)):
+            tokens[k, :len(p)] = p
+            sp[k] = st
+            ln[k] = len(p)
+        return self._call(fname, tokens, sp, ln, rows)
+
     def _prefill(self, reqs: list[_Request]) -> list[tuple[np.ndarray | None, int]]:
         """Write each request's prompt into its slot, several requests per call (padding to an
         exported prefill batch size), each prompt in chunks of at most ``prefill.max_tokens``; a row
@@ -733,24 +756,12 @@ class Engine:
         cfg = self.config
         step = cfg.prefill_max_tokens
         out: list[tuple[np.ndarray | None, int]] = []
-        i = 0
-        while i < len(reqs):
-            bs = pick_batch_size(len(reqs) - i, cfg.prefill_batch_sizes, cfg.n_slots)
-            group = reqs[i:i + bs]
-            i += len(group)
-            rows = np.asarray(pad_rows([r.slot for r in group], bs, cfg.n_slots), dtype=np.int64)
+        for group, bs, rows in self._groups(reqs, cfg.prefill_batch_sizes):
             last: list[tuple[np.ndarray | None, int]] = [(None, -1)] * len(group)
             for s in range(0, max(len(r.prompt) for r in group), step):
                 pieces = [r.prompt[s:s + step] for r in group]
                 T = max(max(len(p) for p in pieces), cfg.prefill_min_tokens)
-                tokens = np.zeros((bs, T), dtype=np.int64)
-                sp = np.zeros(bs, np.int64)
-                ln = np.zeros(bs, np.int64)
-                for k, p in enumerate(pieces):
-                    tokens[k, :len(p)] = p
-                    sp[k] = s
-                    ln[k] = len(p)
-                logits_d, argmax_d = self._call(f"prefill_bs{bs}", tokens, sp, ln, rows)
+                logits_d, argmax_d = self._call_rows(f"prefill_bs{bs}", bs, rows, pieces, [s] * len(group), T)
                 self.stats["prefill_calls"] += 1
                 self.stats["prefill_rows"] += sum(1 for p in pieces if p)
                 ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
@@ -764,23 +775,11 @@ class Engine:
         return out
 
     def _decode(self, reqs: list[_Request]) -> list[StreamChunk]:
-        cfg = self.config
         events = []
-        i = 0
-        while i < len(reqs):
-            bs = pick_batch_size(len(reqs) - i, cfg.decode_batch_sizes, cfg.n_slots)
-            group = reqs[i:i + bs]
-            i += len(group)
+        for group, bs, rows in self._groups(reqs, self.config.decode_batch_sizes):
             n = len(group)
-            rows = np.asarray(pad_rows([r.slot for r in group], bs, cfg.n_slots), dtype=np.int64)
-            tokens = np.zeros((bs, 1), np.int64)
-            sp = np.zeros(bs, np.int64)
-            ln = np.zeros(bs, np.int64)
-            for k, r in enumerate(group):
-                tokens[k, 0] = r.tokens[-1]
-                sp[k] = r.pos
-                ln[k] = 1
-            logits_d, argmax_d = self._call(f"decode_bs{bs}", tokens, sp, ln, rows)
+            logits_d, argmax_d = self._call_rows(f"decode_bs{bs}", bs, rows, [[r.tokens[-1]] for r in group],
+                                                 [r.pos for r in group], 1)
             self.stats["decode_calls"] += 1
             self.stats["decode_rows"] += n
             self.stats["decode_padded_rows"] += bs - n

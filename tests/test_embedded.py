@@ -52,10 +52,10 @@ def tokenizer():
 def windows(tokenizer) -> list[list[int]]:
     """N_WINDOWS windows spread evenly over the held-out text (the first ones alone, grammar
     productions, are far easier than the rest: ppl 9 vs 29), documents framed by bos/eos as in training."""
+    from dsv4.model.train import token_stream
+
     docs = (EMBEDDED_CHECKPOINT / "eval.txt").read_text().split(DOC_SEPARATOR)
-    stream: list[int] = []
-    for d in docs:
-        stream += encode(tokenizer, d, bos=True, eos=True)
+    stream = token_stream(tokenizer, docs).tolist()
     stride = len(stream) // WINDOW // N_WINDOWS
     assert stride >= 1
     return [stream[i * stride * WINDOW:(i * stride + 1) * WINDOW] for i in range(N_WINDOWS)]
