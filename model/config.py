@@ -4,18 +4,22 @@ Field names are the HF `deepseek_v4` names (spec §1.1). Two fields are ours, no
 `max_seq_len` (sizes the decode state and the RoPE tables; the reference's `ModelArgs.max_seq_len`)
 and `quant_sim` (the reference's FP8/FP4 quantization simulations; on as in the released model,
 off as transformers runs it).
+
+A checkpoint's config.json is read by `from_checkpoint` / `from_json`, which first require the fields
+that shape the model (REQUIRED_FIELDS: a missing one would silently take Flash's value); presets go
+through `from_dict`, which fills the rest with defaults. The transformers form of config.json is
+translated, both ways, by `transformers_config.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelConfig", "ConfigError", "PRESETS"]
+__all__ = ["ModelConfig", "ConfigError", "PRESETS", "REQUIRED_FIELDS"]
 
 
 class ConfigError(ValueError):
@@ -87,12 +91,17 @@ class ModelConfig:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any], **overrides: Any) -> "ModelConfig":
-        """Build from a HF `deepseek_v4` config dict; unknown keys raise ConfigError naming them."""
+        """Build from a HF `deepseek_v4` config dict (official or transformers form); fields it leaves
+        out take the defaults (Flash's), as presets want; unknown keys raise ConfigError naming them.
+        A checkpoint's config.json goes through `from_checkpoint` instead."""
+        # imported here: transformers_config imports ModelConfig from this module
+        from .transformers_config import from_transformers_form, is_transformers_form
+
         d = {**d, **overrides}
         if d.get("model_type", "deepseek_v4") != "deepseek_v4":
             raise ConfigError(f"model_type: expected 'deepseek_v4', got {d.get('model_type')!r}")
-        if any(k in d for k in _TRANSFORMERS_KEYS):
-            d = _from_transformers_form(d)
+        if is_transformers_form(d):
+            d = from_transformers_form(d)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         unknown = []
@@ -112,7 +121,22 @@ class ModelConfig:
         return cfg
 
     @classmethod
+    def from_checkpoint(cls, d: dict[str, Any], **overrides: Any) -> "ModelConfig":
+        """Build from a checkpoint's config.json dict: `from_dict`, after checking that it states
+        model_type and every REQUIRED_FIELDS entry (one ConfigError names all that are missing,
+        before anything is built from the rest). `overrides` count as stated."""
+        given = {**d, **overrides}
+        missing = [f if not alt else f"{f} (or {' / '.join(alt)})"
+                   for f, alt in REQUIRED_FIELDS.items() if not any(_states(given, k) for k in (f, *alt))]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)} (a checkpoint's "
+                              "config must state every field that shapes the model; the defaults are "
+                              "DeepSeek-V4-Flash's and would be a silent guess)")
+        return cls.from_dict(d, **overrides)
+
+    @classmethod
     def from_json(cls, path: str | Path, **overrides: Any) -> "ModelConfig":
+        """A checkpoint's (or master's) config.json, a file or the directory holding it (`from_checkpoint`)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -122,7 +146,7 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {path}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d, **overrides)
+        return cls.from_checkpoint(d, **overrides)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
@@ -254,6 +278,30 @@ def _check_ignored(key: str, value: Any) -> None:
         raise ConfigError(f"{key}: DeepSeek-V4 has one shared K=V head, got {value}")
 
 
+# What a checkpoint's config.json must state (ModelConfig.from_checkpoint): the model type and every
+# field that sets a tensor or state shape or differs between the released Flash and Pro configs
+# (spec §1.1). Each maps to the transformers-form keys that state it instead. Fields left out are
+# the single values DeepSeek-V4 allows (validate() checks them) or numerics both releases share.
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model_type": (),
+    "vocab_size": (), "hidden_size": (), "num_hidden_layers": (), "num_attention_heads": (), "head_dim": (),
+    "qk_rope_head_dim": ("partial_rotary_factor",), "q_lora_rank": (), "o_lora_rank": (), "o_groups": (),
+    "sliding_window": (), "compress_ratios": ("layer_types",), "index_n_heads": (), "index_head_dim": (),
+    "index_topk": (), "n_routed_experts": (), "num_experts_per_tok": (), "moe_intermediate_size": (),
+    "num_hash_layers": ("mlp_layer_types",), "routed_scaling_factor": (), "hc_mult": (),
+    "num_nextn_predict_layers": (),
+}
+
+
+def _states(d: dict[str, Any], key: str) -> bool:
+    """Whether config dict d states `key` (partial_rotary_factor may sit inside rope_parameters)."""
+    if d.get(key) is not None:
+        return True
+    rp = d.get("rope_parameters")
+    return key == "partial_rotary_factor" and isinstance(rp, dict) and any(
+        isinstance(v, dict) and v.get(key) is not None for v in (rp, *rp.values()))
+
+
 # Keys that may appear in a released config.json and carry nothing the model needs.
 _IGNORED_KEYS = {
     "architectures", "model_type", "attention_bias", "attention_dropout", "initializer_range",
@@ -261,148 +309,6 @@ _IGNORED_KEYS = {
     # written by transformers' DeepseekV4Config (training-only knobs)
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "mlp_bias",
 }
-
-
-# ---- the transformers form of config.json ------------------------------------------------------
-# transformers' DeepseekV4Config (>= 5.8) saves the schedule as `layer_types` + `compress_rates`,
-# hash routing as `mlp_layer_types`, the rope split as `partial_rotary_factor` and the two rope
-# tables as `rope_parameters = {"main": ..., "compress": ...}` (spec §5). It has no MTP entry in
-# `layer_types` and moves `expert_dtype` into `quantization_config`. Without a quantization_config
-# a transformers config describes an unquantized model.
-
-_TRANSFORMERS_KEYS = {"layer_types", "compress_rates", "mlp_layer_types", "rope_parameters",
-                      "partial_rotary_factor", "compress_rate_csa", "compress_rate_hca"}
-_CSA, _HCA, _SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-_HF_DEFAULT_RATES = {_CSA: 4, _HCA: 128}
-
-
-def _from_transformers_form(d: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite a transformers-form config dict into the official field names (ConfigError on
-    anything this model cannot represent; the remaining keys go through the usual checks)."""
-    d = dict(d)
-    n = d.get("num_hidden_layers", ModelConfig.num_hidden_layers)
-    n_mtp = d.get("num_nextn_predict_layers", ModelConfig.num_nextn_predict_layers)
-
-    rates = dict(d.pop("compress_rates", None) or _HF_DEFAULT_RATES)
-    for legacy, kind in (("compress_rate_csa", _CSA), ("compress_rate_hca", _HCA)):
-        if legacy in d:
-            rates[kind] = d.pop(legacy)
-    if set(rates) - {_CSA, _HCA}:
-        raise ConfigError(f"compress_rates: unknown layer type(s) {sorted(set(rates) - {_CSA, _HCA})}")
-    rates = {**_HF_DEFAULT_RATES, **rates}
-    if rates[_CSA] != 4:
-        raise ConfigError(f"compress_rates.{_CSA}: {rates[_CSA]} is not supported: the overlapping "
-                          "compressor and the lightning indexer are tied to ratio 4 here (spec §2.4)")
-    if not (isinstance(rates[_HCA], int) and rates[_HCA] >= 2 and rates[_HCA] != 4):
-        raise ConfigError(f"compress_rates.{_HCA}: expected an int >= 2 other than 4 (4 means CSA), "
-                          f"got {rates[_HCA]!r}")
-
-    layer_types = d.pop("layer_types", None)
-    if layer_types is not None:
-        ratio_of = {_SWA: 0, _CSA: rates[_CSA], _HCA: rates[_HCA]}
-        bad = [t for t in layer_types if t not in ratio_of]
-        if bad or len(layer_types) != n:
-            raise ConfigError(f"layer_types: expected {n} entries from {sorted(ratio_of)}, got {layer_types!r}")
-        ratios = [ratio_of[t] for t in layer_types] + [0] * n_mtp
-        if "compress_ratios" in d and [int(r) for r in d["compress_ratios"]] != ratios:
-            raise ConfigError(f"compress_ratios {list(d['compress_ratios'])} disagrees with layer_types "
-                              f"+ compress_rates {ratios}")
-        d["compress_ratios"] = ratios
-
-    mlp = d.pop("mlp_layer_types", None)
-    if mlp is not None:
-        k = next((i for i, t in enumerate(mlp) if t != "hash_moe"), len(mlp))
-        if len(mlp) != n or any(t != "moe" for t in mlp[k:]):
-            raise ConfigError(f"mlp_layer_types: expected {n} entries, 'hash_moe' for a leading run of "
-                              f"layers and 'moe' after it, got {mlp!r}")
-        if d.get("num_hash_layers", k) != k:
-            raise ConfigError(f"num_hash_layers {d['num_hash_layers']} disagrees with mlp_layer_types ({k})")
-        d["num_hash_layers"] = k
-
-    head_dim = d.get("head_dim", ModelConfig.head_dim)
-    prf = d.pop("partial_rotary_factor", None)
-    rp = d.pop("rope_parameters", None)
-    if rp is not None:
-        if "rope_scaling" in d:
-            raise ConfigError("rope_parameters and rope_scaling are both set; keep one")
-        nested = isinstance(rp.get("main"), dict) or isinstance(rp.get("compress"), dict)
-        main = rp.get("main", {}) if nested else {}
-        comp = rp.get("compress", {}) if nested else rp
-        if nested and set(rp) - {"main", "compress"}:
-            raise ConfigError(f"rope_parameters: unknown key(s) {sorted(set(rp) - {'main', 'compress'})}")
-        for label, sub in (("main", main), ("compress", comp)):
-            extra = set(sub) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
-                                "original_max_position_embeddings", "beta_fast", "beta_slow",
-                                "attention_factor", "mscale", "mscale_all_dim", "truncate"}
-            if extra:
-                raise ConfigError(f"rope_parameters.{label}: unknown key(s) {sorted(extra)}")
-            if "partial_rotary_factor" in sub:
-                prf = sub["partial_rotary_factor"] if prf is None else prf
-                if abs(sub["partial_rotary_factor"] - prf) > 1e-9:
-                    raise ConfigError(f"rope_parameters.{label}.partial_rotary_factor disagrees with "
-                                      f"partial_rotary_factor {prf}")
-        if main.get("rope_type", main.get("type", "default")) != "default":
-            raise ConfigError("rope_parameters.main: sliding-window layers use plain RoPE (rope_type "
-                              f"'default'), got {main.get('rope_type', main.get('type'))!r}")
-        for key, sub in (("rope_theta", main), ("compress_rope_theta", comp)):
-            if "rope_theta" in sub:
-                if key in d and float(d[key]) != float(sub["rope_theta"]):
-                    raise ConfigError(f"{key} {d[key]} disagrees with rope_parameters ({sub['rope_theta']})")
-                d[key] = sub["rope_theta"]
-        ctype = comp.get("rope_type", comp.get("type", "default"))
-        if ctype == "yarn":
-            af = comp.get("attention_factor")
-            if af is None and nested:
-                # transformers fills attention_factor = 1 only when it builds the nesting itself; a
-                # nested yarn dict without it gets YaRN's mscale on cos/sin (_compute_yarn_parameters)
-                f, ms, msa = float(comp["factor"]), comp.get("mscale"), comp.get("mscale_all_dim")
-
-                def mscale(m: float = 1.0) -> float:
-                    return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
-
-                af = mscale(ms) / mscale(msa) if ms and msa else mscale()
-            if float(1.0 if af is None else af) != 1.0:
-                raise ConfigError("rope_parameters.compress.attention_factor: transformers would scale cos/sin by "
-                                  f"{af:.4g} (YaRN mscale); DeepSeek-V4 applies no YaRN magnitude scaling "
-                                  "(spec §2.2): set attention_factor to 1.0")
-            if not comp.get("truncate", True):
-                raise ConfigError("rope_parameters.compress.truncate: the reference truncates the YaRN "
-                                  "correction range (floor/ceil)")
-            d["rope_scaling"] = {"type": "yarn", "factor": comp["factor"],
-                                 "original_max_position_embeddings": comp.get(
-                                     "original_max_position_embeddings",
-                                     d.get("max_position_embeddings", ModelConfig.max_position_embeddings)),
-                                 "beta_fast": comp.get("beta_fast") or 32, "beta_slow": comp.get("beta_slow") or 1}
-        elif ctype == "default":
-            d["rope_scaling"] = None
-        else:
-            raise ConfigError(f"rope_parameters.compress: only 'yarn' or 'default' RoPE, got {ctype!r}")
-    if prf is not None:
-        rd = head_dim * prf
-        if abs(rd - round(rd)) > 1e-6:
-            raise ConfigError(f"partial_rotary_factor {prf} x head_dim {head_dim} is not an integer")
-        if d.get("qk_rope_head_dim", round(rd)) != round(rd):
-            raise ConfigError(f"qk_rope_head_dim {d['qk_rope_head_dim']} disagrees with partial_rotary_factor "
-                              f"{prf} x head_dim {head_dim}")
-        d["qk_rope_head_dim"] = round(rd)
-
-    if d.get("mlp_bias"):
-        raise ConfigError("mlp_bias: DeepSeek-V4 experts have no bias")
-    qc = d.get("quantization_config")
-    if isinstance(qc, dict) and "expert_dtype" in qc:
-        qc = dict(qc)
-        e = qc.pop("expert_dtype")
-        if d.get("expert_dtype", e) != e:
-            raise ConfigError(f"expert_dtype {d['expert_dtype']!r} disagrees with quantization_config ({e!r})")
-        d["quantization_config"], d["expert_dtype"] = qc, e
-    if "quantization_config" not in d:  # transformers: no quantization_config = full precision
-        d["quantization_config"] = None
-        d.setdefault("expert_dtype", None)
-    return d
-
-
-def _ratios(pattern: list[int]) -> tuple[int, ...]:
-    return tuple(pattern)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -442,7 +348,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20,
         max_seq_len=256,
     ),
-    # The embedded default model, trained on CPU by model/train.py on the CPython-docs corpus with
+    # The embedded default model, trained by dsv4.train (train/) on the CPython-docs corpus with
     # the corpus BPE tokenizer (vocab 2048); weights in model/assets/small. Every layer kind of V4:
     # 0 = sliding only + hash-routed MoE, 1 and 3 = CSA (ratio 4, lightning indexer, top-16),
     # 2 = HCA with ratio 16 (128 would compress nothing within the 256-token training sequences),

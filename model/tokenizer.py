@@ -1,33 +1,29 @@
-"""A byte-level BPE tokenizer for the embedded default model, trained on :mod:`dsv4.model.corpus`.
+"""The byte-level BPE tokenizer format of the embedded default model: special tokens, files, encode/decode.
+
+It is trained on the training corpus by :mod:`dsv4.train.tokenizer`; this file is what the model
+and its users need to read, write and apply one.
 
 Why byte-level BPE: every string (any Unicode, any whitespace) round-trips exactly with no
 unknown token, which a code-and-prose corpus needs, and it is the family DeepSeek-V4's own
 tokenizer belongs to. The special tokens follow DeepSeek-V4's config: ``<｜begin▁of▁sentence｜>``
 is id 0 (bos) and ``<｜end▁of▁sentence｜>`` id 1 (eos). There is no post-processor, so encoding
 never adds tokens behind the caller's back: the runtime/training code adds bos/eos explicitly.
-
-Training is deterministic: the same texts and settings give byte-identical ``tokenizer.json``.
-
-Run ``python -m dsv4.model.tokenizer`` to compare vocabulary sizes on the corpus eval split, and
-``python -m dsv4.model.tokenizer --save DIR --vocab-size N`` to write one.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 __all__ = [
     "BOS_TOKEN",
     "EOS_TOKEN",
     "BOS_ID",
     "EOS_ID",
-    "RECOMMENDED_VOCAB_SIZE",
-    "train_tokenizer",
+    "SPECIAL_TOKENS",
     "save_tokenizer",
     "load_tokenizer",
     "tokenizer_config",
@@ -41,10 +37,6 @@ BOS_ID = 0
 EOS_ID = 1
 SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN)  # order gives the ids
 
-# See the measurements in main(): 2048 is the best trade-off for a 5-20 M parameter model
-# trained for a few CPU minutes on the ~1.2 M-character corpus.
-RECOMMENDED_VOCAB_SIZE = 2048
-
 # A plain-text prompt layout for services that call apply_chat_template. The embedded model is
 # trained on documentation, not dialogue, so this only gives prompts a consistent shape.
 CHAT_TEMPLATE = (
@@ -57,42 +49,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-
-
-def train_tokenizer(
-    texts: Iterable[str],
-    vocab_size: int = RECOMMENDED_VOCAB_SIZE,
-    min_frequency: int = 2,
-    max_token_length: int | None = 16,
-) -> Tokenizer:
-    """Train a byte-level BPE tokenizer with bos=0 and eos=1.
-
-    ``texts`` are documents (BPE merges never cross document boundaries). All 256 byte symbols
-    are in the initial alphabet, so nothing is ever unknown. ``max_token_length`` keeps the small
-    vocabulary from being spent on long verbatim strings that occur a few times in the corpus.
-    """
-    texts = list(texts)
-    n_base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < n_base:
-        raise ValueError(f"vocab_size must be at least {n_base} (special tokens + 256 bytes)")
-
-    tok = Tokenizer(models.BPE())
-    # use_regex splits words/numbers/punctuation/whitespace runs before BPE (GPT-2 style).
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = None
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        max_token_length=max_token_length,
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    if tok.token_to_id(BOS_TOKEN) != BOS_ID or tok.token_to_id(EOS_TOKEN) != EOS_ID:
-        raise RuntimeError("special tokens did not get ids 0/1")
-    return tok
 
 
 def tokenizer_config(tok: Tokenizer, model_max_length: int = 4096) -> dict:
@@ -157,44 +113,3 @@ def encode(tok: Tokenizer, text: str, bos: bool = False, eos: bool = False) -> l
 def decode(tok: Tokenizer, ids: Sequence[int]) -> str:
     """Text of ``ids``; bos/eos are dropped, everything else round-trips byte-exactly."""
     return tok.decode(list(ids), skip_special_tokens=True)
-
-
-def _count_tokens(tok: Tokenizer, docs: Sequence[str]) -> int:
-    tok.encode_special_tokens = True
-    return sum(len(e.ids) for e in tok.encode_batch(list(docs), add_special_tokens=False))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Measure vocab sizes (training time, eval tokens/char) or save one tokenizer."""
-    import argparse
-
-    from dsv4.model.corpus import build_corpus
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab-sizes", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--save", metavar="DIR", help="train --vocab-size on the train split and save")
-    ap.add_argument("--vocab-size", type=int, default=RECOMMENDED_VOCAB_SIZE)
-    args = ap.parse_args(argv)
-
-    corpus = build_corpus()
-    print(f"corpus sha256 {corpus.sha256} (python {corpus.python_version})")
-    if args.save:
-        tok = train_tokenizer(corpus.train_docs, vocab_size=args.vocab_size)
-        print(f"wrote {save_tokenizer(tok, args.save)}")
-        return
-
-    eval_chars = len(corpus.eval_text)
-    train_chars = len(corpus.train_text)
-    print(f"{'vocab':>6} {'train s':>8} {'eval tok/char':>14} {'eval tokens':>12} {'train tok':>10}")
-    for vs in args.vocab_sizes:
-        t0 = time.perf_counter()
-        tok = train_tokenizer(corpus.train_docs, vocab_size=vs)
-        dt = time.perf_counter() - t0
-        n_eval = _count_tokens(tok, corpus.eval_docs)
-        n_train = _count_tokens(tok, corpus.train_docs)
-        print(f"{vs:>6} {dt:>8.2f} {n_eval / eval_chars:>14.4f} {n_eval:>12,} {n_train:>10,}")
-    print(f"train chars {train_chars:,}, eval chars {eval_chars:,}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""model/checkpoint.py: write a random tiny checkpoint in the released format, load it back.
+"""model/checkpoint/: write a random tiny checkpoint in the released format, load it back.
 
 What is checked, and against what:
 - the written files hold exactly the official inventory (names, dtypes, shapes), which this file
@@ -44,7 +44,6 @@ import dsv4.model.kernels.moe as moe_kernels
 import dsv4.model.model as model_mod
 from dsv4.model.checkpoint import (
     CheckpointError,
-    _no_param_init,
     canonical_name,
     checkpoint_make_main,
     load_checkpoint,
@@ -53,10 +52,12 @@ from dsv4.model.checkpoint import (
     transformers_name,
     write_checkpoint,
 )
+from dsv4.model.checkpoint.load import _no_param_init
 from dsv4.model.config import ConfigError, ModelConfig
 from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 from dsv4.model.tokenizer import load_tokenizer
+from dsv4.train.tokenizer import corpus_tokenizer
 
 S = 40  # crosses the window (8) five times, ratio-4 entries ten times, ratio-16 entries twice
 EVAL = dict(quant_sim=False, index_topk=64)  # no QAT sims, every visible CSA entry selected
@@ -227,7 +228,8 @@ def float_model(cfg):
 
 @pytest.fixture(scope="module")
 def official(tmp_path_factory, float_model, cfg):
-    return write_checkpoint(float_model, cfg, tmp_path_factory.mktemp("ckpt") / "official")
+    return write_checkpoint(float_model, cfg, tmp_path_factory.mktemp("ckpt") / "official",
+                            tokenizer=corpus_tokenizer(cfg.vocab_size))
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +318,7 @@ def test_name_mappings_invert(official):
 
 
 def test_transformers_layout_round_trip(float_model, loaded, cfg, tmp_path):
-    d = write_checkpoint(float_model, cfg, tmp_path / "hf", layout="transformers", tokenizer=False)
+    d = write_checkpoint(float_model, cfg, tmp_path / "hf", layout="transformers")
     conf = json.loads((d / "config.json").read_text())
     assert "compress_ratios" not in conf and conf["compress_rates"]["heavily_compressed_attention"] == 16
     assert conf["layer_types"][:2] == ["sliding_attention", "compressed_sparse_attention"]
@@ -342,7 +344,7 @@ def test_transformers_layout_round_trip(float_model, loaded, cfg, tmp_path):
 def test_base_style_fp8_experts_and_float32_scales(float_model, cfg, tmp_path):
     """-Base checkpoints: FP8 experts, float32 block scales (spec §1.3) stay as stored."""
     base_cfg = cfg.replace(expert_dtype="fp8", quantization_config={**cfg.quantization_config, "scale_fmt": "fp32"})
-    d = write_checkpoint(float_model, base_cfg, tmp_path / "base", tokenizer=False)
+    d = write_checkpoint(float_model, base_cfg, tmp_path / "base")
     h = header(d)
     assert h["layers.0.ffn.experts.0.w1.weight"] == ("F8_E4M3", [128, 128])
     assert h["layers.0.ffn.experts.0.w1.scale"] == ("F32", [1, 1])
@@ -360,7 +362,7 @@ def test_base_style_fp8_experts_and_float32_scales(float_model, cfg, tmp_path):
 
 
 def test_sharded_write_and_index(official, loaded, tmp_path):
-    d = write_checkpoint(loaded, loaded.cfg, tmp_path / "sharded", max_shard_bytes=400_000, tokenizer=False)
+    d = write_checkpoint(loaded, loaded.cfg, tmp_path / "sharded", max_shard_bytes=400_000)
     shards = sorted(d.glob("*.safetensors"))
     assert len(shards) > 4 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -493,7 +495,7 @@ def test_corrupt_values_come_in_one_error(official, tmp_path):
 
 
 def test_truncated_and_missing_shards(loaded, tmp_path):
-    d = write_checkpoint(loaded, loaded.cfg, tmp_path / "sh", max_shard_bytes=400_000, tokenizer=False)
+    d = write_checkpoint(loaded, loaded.cfg, tmp_path / "sh", max_shard_bytes=400_000)
     shards = sorted(d.glob("*.safetensors"))
     with open(shards[1], "r+b") as f:
         f.truncate(shards[1].stat().st_size - 1000)
@@ -628,9 +630,9 @@ def test_load_memory_is_about_one_checkpoint(tmp_path):
                 t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=g))
             else:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.02)
-    one = write_checkpoint(model, cfg, tmp_path / "one", tokenizer=False)
+    one = write_checkpoint(model, cfg, tmp_path / "one")
     shard = 8 << 20
-    many = write_checkpoint(model, cfg, tmp_path / "many", tokenizer=False, max_shard_bytes=shard)
+    many = write_checkpoint(model, cfg, tmp_path / "many", max_shard_bytes=shard)
     del model
     ckpt_bytes = (one / "model.safetensors").stat().st_size
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from dsv4.model.config import ConfigError, ModelConfig
+from dsv4.model.config import REQUIRED_FIELDS, ConfigError, ModelConfig
 from dsv4.model.model import Transformer
+from dsv4.model.transformers_config import transformers_config_dict
 
 
 def test_presets_match_released_schedules():
@@ -70,3 +71,69 @@ def test_flash_parameter_count_matches_release():
         m = Transformer(ModelConfig.preset("flash"), quantized=False)
     n = sum(p.numel() for name, p in m.named_parameters() if not name.startswith("mtp."))
     assert 283.5e9 < n < 284.5e9, n
+
+
+# ---- a checkpoint's config.json must state what shapes the model (issue 13.7) ----------------------
+
+
+def _write_config(d: dict, directory) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("field", sorted(REQUIRED_FIELDS))
+def test_checkpoint_config_without_a_required_field_names_it(field, tmp_path):
+    d = ModelConfig.preset("flash").to_dict()
+    del d[field]
+    _write_config(d, tmp_path)
+    alt = REQUIRED_FIELDS[field]
+    named = f"{field} (or {' / '.join(alt)})" if alt else field
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path)
+    assert f"config.json is missing required field(s): {named} (a checkpoint" in str(e.value)  # only it
+
+
+def test_missing_fields_come_in_one_error_also_in_the_transformers_form(tmp_path):
+    d = ModelConfig.preset("tiny").to_dict()
+    for k in ("hidden_size", "model_type", "index_topk"):
+        del d[k]
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_checkpoint(d)
+    assert "missing required field(s): model_type, hidden_size, index_topk (" in str(e.value)
+    assert ModelConfig.from_checkpoint(d, hidden_size=128, index_topk=4, model_type="deepseek_v4") == \
+        ModelConfig.preset("tiny")  # overrides count as stated
+
+    hf = transformers_config_dict(ModelConfig.preset("tiny"))
+    assert ModelConfig.from_checkpoint(hf) == ModelConfig.preset("tiny")  # states them under its own keys
+    for k in ("layer_types", "mlp_layer_types", "partial_rotary_factor", "rope_parameters", "qk_rope_head_dim"):
+        hf.pop(k)
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_checkpoint(hf)
+    assert ("missing required field(s): qk_rope_head_dim (or partial_rotary_factor), compress_ratios (or "
+            "layer_types), num_hash_layers (or mlp_layer_types) (") in str(e.value)
+
+
+def test_unknown_fields_still_refused_from_a_checkpoint(tmp_path):
+    d = {**ModelConfig.preset("tiny").to_dict(), "frobnicate": 1}
+    _write_config(d, tmp_path)
+    with pytest.raises(ConfigError, match="unknown config field\\(s\\): frobnicate"):
+        ModelConfig.from_json(tmp_path)
+
+
+def test_load_checkpoint_reports_missing_fields_before_any_shape_work(tmp_path):
+    """One tensor and a config.json without hidden_size / model_type: the loader's one error names
+    the two fields and nothing else (with Flash's hidden_size it would list every tensor as missing
+    or mis-shaped)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dsv4.model.checkpoint import CheckpointError, load_checkpoint
+
+    d = ModelConfig.preset("tiny").to_dict()
+    del d["hidden_size"], d["model_type"]
+    _write_config(d, tmp_path)
+    save_file({"embed.weight": torch.zeros(512, 128, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert len(e.value.problems) == 1, e.value.problems
+    assert e.value.problems[0].startswith("config: config.json is missing required field(s): model_type, hidden_size (")

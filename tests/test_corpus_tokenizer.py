@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from dsv4.model.corpus import DOC_SEPARATOR, build_corpus
 from dsv4.model.tokenizer import (
     BOS_ID,
     BOS_TOKEN,
@@ -19,8 +18,9 @@ from dsv4.model.tokenizer import (
     encode,
     load_tokenizer,
     save_tokenizer,
-    train_tokenizer,
 )
+from dsv4.train.corpus import DOC_SEPARATOR, build_corpus
+from dsv4.train.tokenizer import train_tokenizer
 
 SMALL_VOCAB = 512
 EDGE_CASES = [
@@ -134,8 +134,9 @@ def test_tokenizer_training_deterministic(small_train, tok, tmp_path):
     # Another process (other hash seed, one Rayon thread) must give the same bytes.
     code = (
         "import sys\n"
-        "from dsv4.model.corpus import build_corpus\n"
-        "from dsv4.model.tokenizer import train_tokenizer, save_tokenizer\n"
+        "from dsv4.model.tokenizer import save_tokenizer\n"
+        "from dsv4.train.corpus import build_corpus\n"
+        "from dsv4.train.tokenizer import train_tokenizer\n"
         f"docs = list(build_corpus().train_docs[:{len(small_train)}])\n"
         f"save_tokenizer(train_tokenizer(docs, vocab_size={SMALL_VOCAB}), sys.argv[1])\n"
     )

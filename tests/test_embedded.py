@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
-from dsv4.model.corpus import DOC_SEPARATOR
 from dsv4.model.generate import greedy
 from dsv4.model.kernels.topk import topk_impl
 from dsv4.model.state import new_state
 from dsv4.model.tokenizer import encode, load_tokenizer
+from dsv4.train.corpus import DOC_SEPARATOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +52,7 @@ def tokenizer():
 def windows(tokenizer) -> list[list[int]]:
     """N_WINDOWS windows spread evenly over the held-out text (the first ones alone, grammar
     productions, are far easier than the rest: ppl 9 vs 29), documents framed by bos/eos as in training."""
-    from dsv4.model.train import token_stream
+    from dsv4.train import token_stream
 
     docs = (EMBEDDED_CHECKPOINT / "eval.txt").read_text().split(DOC_SEPARATOR)
     stream = token_stream(tokenizer, docs).tolist()
@@ -89,8 +89,9 @@ def _export_key() -> str:
     import iree.compiler
 
     h = hashlib.sha256()
-    graph = ("model.py", "config.py", "state.py", "quant_sim.py", "formats.py", "checkpoint.py")
+    graph = ("model.py", "config.py", "state.py", "quant_sim.py", "formats.py")
     for f in sorted([*(REPO / "model" / g for g in graph), *(REPO / "model" / "kernels").glob("*.py"),
+                     *(REPO / "model" / "checkpoint").glob("*.py"),
                      *(REPO / "export").glob("*.py"), EMBEDDED_CHECKPOINT / "model.safetensors",
                      EMBEDDED_CHECKPOINT / "config.json", EMBEDDED_CHECKPOINT / "tokenizer.json"]):
         h.update(f.name.encode())
@@ -118,7 +119,7 @@ def engine(fp8_model, tmp_path_factory):
 
 
 def test_fp8_checkpoint_perplexity_is_close_to_the_bf16_master(windows, ppl_fp8):
-    from dsv4.model.train import load_master
+    from dsv4.train import load_master
 
     master = EMBEDDED_CHECKPOINT / "master-bf16.safetensors"
     if not master.is_file():

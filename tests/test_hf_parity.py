@@ -141,7 +141,7 @@ def test_our_transformers_layout_loads_in_transformers(saved, toks, tmp_path):
     hf, d = saved
     with pytest.warns(UserWarning):
         ours = load_checkpoint(d, dtype=torch.float32, overrides=OURS)
-    out = write_checkpoint(ours, ours.cfg, tmp_path / "ours_hf", layout="transformers", tokenizer=False)
+    out = write_checkpoint(ours, ours.cfg, tmp_path / "ours_hf", layout="transformers")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(hf.state_dict())  # exactly transformers' own parameter names
     back, info = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)

@@ -1,4 +1,4 @@
-"""Training (model/train.py): the loss goes down, the indexer learns from its own loss only, the
+"""Training (dsv4.train, train/): the loss goes down, the indexer learns from its own loss only, the
 training hooks change nothing when off, gradients through the in-place state writes are right,
 runs are deterministic, and the shipped small model is actually trained."""
 
@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4 import train as T
 from dsv4.model import quant_sim
-from dsv4.model import train as T
+from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT
 from dsv4.model.config import ModelConfig
+from dsv4.model.generate import greedy
 from dsv4.model.kernels import overrides
 from dsv4.model.kernels.topk import record_topk
 from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 
-ASSETS = Path(T.__file__).resolve().parent / "assets"
+ASSETS = EMBEDDED_CHECKPOINT.parent
 SEQ = 32  # crosses the tiny window (8) 4x, 8 ratio-4 entries (top-4 selects), 2 ratio-16 entries
 
 
@@ -234,7 +236,7 @@ def test_prepared_data_early_stopping_and_finishing_from_a_master(tmp_path):
     the weights of the best periodic evaluation; --from-master + finish rebuild the run's result."""
     c = tcfg(steps=4, eval_every=2, eval_windows_during=2, keep_best=True, eval_batch=2)
     data = T.save_data(c, tmp_path / "data")
-    built, loaded = T._prepare(c), T._prepare(c, data)
+    built, loaded = T.prepare_data(c), T.prepare_data(c, data)
     assert loaded[0].sha256 == built[0].sha256 and loaded[0].matches_reference == built[0].matches_reference
     assert loaded[2].to_str() == built[2].to_str()
     assert torch.equal(loaded[3], built[3]) and torch.equal(loaded[4], built[4])
@@ -271,7 +273,7 @@ FP8 = MASTER  # the official checkpoint (model.safetensors) lives next to the ma
 
 
 def _eval_stream(tok):
-    from dsv4.model.corpus import build_corpus
+    from dsv4.train.corpus import build_corpus
 
     return T.token_stream(tok, build_corpus().eval_docs)
 
@@ -320,7 +322,7 @@ def test_shipped_model_continues_the_prompt_without_looping():
 
     model = load_checkpoint(FP8, dtype=torch.bfloat16, progress=False)
     tok = load_tokenizer(FP8)
-    text = decode(tok, T.greedy(model, encode(tok, T.DEFAULT_PROMPT, bos=True), 40))
+    text = decode(tok, greedy(model, encode(tok, T.DEFAULT_PROMPT, bos=True), 40))
     words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
     assert len(words) >= 12, text
     assert len(set(words)) >= 0.6 * len(words), text

@@ -17,7 +17,7 @@ different 3.11 patch release, since ``pydoc_data/topics.py`` is regenerated ever
 different text, so :class:`Corpus` carries a ``sha256`` and :data:`REFERENCE_SHA256` records the
 value for the release the shipped model was trained on; a training script compares the two.
 
-Run ``python -m dsv4.model.corpus`` for statistics.
+Run ``python -m dsv4.train.corpus`` for statistics.
 """
 
 from __future__ import annotations

@@ -1,0 +1,398 @@
+"""Loading: plan where every checkpoint tensor goes in the model (all structural problems found
+before any data is read), then copy through memory maps, one tensor at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from ..config import ConfigError, ModelConfig
+from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode
+from ..model import Transformer
+from .inventory import Checkpoint, CheckpointError, Entry, open_checkpoint
+from .names import EXPERTS
+
+__all__ = ["load_checkpoint", "load_into"]
+
+_ROW_CHUNK = 1024  # rows dequantized at a time (a multiple of 128): bounds the float32 temporaries
+_CHECK_ELEMS = 1 << 24  # elements per value-check chunk
+_FLOAT_ST = {"BF16", "F16", "F32", "F64"}
+_INT_ST = {"I64", "I32"}
+_PACKED_ST = {"I8", "U8"}
+_FP8_DT = {torch.float8_e4m3fn}
+
+
+@dataclass
+class _Op:
+    """Fill one model tensor (or an expert's slice of one) from checkpoint entries."""
+
+    sources: list[tuple[str, Entry]]  # (canonical name, entry)
+    run: Callable[[list[torch.Tensor]], None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for _, e in self.sources)
+
+
+class _Planner:
+    def __init__(self, entries: dict[str, Entry], check_values: bool, n_experts: int):
+        self.entries = entries
+        self.check = check_values
+        self.n_experts = n_experts
+        self.ops: list[_Op] = []
+        self.problems: list[str] = []
+        self.value_problems: list[str] = []
+        self.used: set[str] = set()
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _get(self, name: str, want: str) -> Entry | None:
+        e = self.entries.get(name)
+        if e is None:
+            self.problems.append(f"missing: {name} (model expects {want})")
+        else:
+            self.used.add(name)
+        return e
+
+    def _shape(self, name: str, e: Entry, shape: Sequence[int]) -> bool:
+        if tuple(e.shape) != tuple(shape):
+            self.problems.append(f"shape: {name} is {e.describe()}, model expects {list(shape)}")
+            return False
+        return True
+
+    def _dtype(self, name: str, e: Entry, allowed: set[str], what: str) -> bool:
+        if e.dtype not in allowed:
+            self.problems.append(f"dtype: {name} is {e.describe()}, model expects {what} ({'/'.join(sorted(allowed))})")
+            return False
+        return True
+
+    def _bad(self, name: str, msg: str) -> None:
+        self.value_problems.append(f"value: {name} {msg}")
+
+    def _count(self, t: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        """Elements flagged by `bad`, counted over row chunks (bounded temporaries on big tables)."""
+        if t.dim() == 0:
+            return int(bad(t).sum())
+        step = max(1, _CHECK_ELEMS // max(1, t[0].numel()))
+        return sum(int(bad(t[r: r + step]).sum()) for r in range(0, t.shape[0], step))
+
+    def _check_e8m0(self, name: str, b: torch.Tensor) -> None:
+        n = self._count(b, lambda x: x == 0xFF) if self.check else 0
+        if n:
+            self._bad(name, f"has {n} NaN E8M0 scale byte(s) (0xFF)")
+
+    def _check_fp8(self, name: str, t: torch.Tensor) -> None:
+        n = self._count(t.view(torch.uint8), lambda x: (x & 0x7F) == 0x7F) if self.check else 0
+        if n:
+            self._bad(name, f"has {n} NaN e4m3fn code(s) (0x7F/0xFF)")
+
+    def _check_float(self, name: str, t: torch.Tensor) -> None:
+        n = self._count(t, lambda x: ~torch.isfinite(x)) if self.check else 0
+        if n:
+            self._bad(name, f"has {n} non-finite value(s)")
+
+    # ---- plan entries ---------------------------------------------------------------------
+    def plain(self, name: str, target: torch.Tensor) -> None:
+        """Norms, mHC, sinks, ape, gate, embed, head, float linears with no scale, tid2eid."""
+        want = f"{str(target.dtype).replace('torch.', '')} {list(target.shape)}"
+        e = self._get(name, want)
+        if e is None:
+            return
+        ok = self._shape(name, e, target.shape)
+        if target.dtype.is_floating_point:
+            ok &= self._dtype(name, e, _FLOAT_ST, "a float tensor")
+        else:
+            ok &= self._dtype(name, e, _INT_ST, "an integer tensor")
+        if not ok:
+            return
+        is_tid = name.endswith("gate.tid2eid")
+
+        def run(ts: list[torch.Tensor]) -> None:
+            (t,) = ts
+            if target.dtype.is_floating_point:
+                self._check_float(name, t)
+            elif is_tid and self.check and self._count(t, lambda x: (x < 0) | (x >= self.n_experts)):
+                self._bad(name, f"has expert ids outside [0, {self.n_experts})")
+            target.copy_(t)
+
+        self.ops.append(_Op([(name, e)], run))
+
+    def weight(self, name: str, target: torch.Tensor, target_scale: torch.Tensor | None) -> None:
+        """A linear / expert weight `X.weight` with its `X.scale` (if the checkpoint or model has one)."""
+        sname = name[: -len("weight")] + "scale"
+        if target.dtype in _FP8_DT or target.dtype == torch.uint8:
+            if target_scale is None:
+                raise TypeError(f"{name}: a {target.dtype} model weight without its scale parameter")
+            fmt = "fp8" if target.dtype in _FP8_DT else "mxfp4"
+            want = f"{'F8_E4M3' if fmt == 'fp8' else 'I8'} {list(target.shape)}"
+            e = self._get(name, want)
+            s = self._get(sname, f"{'F8_E8M0' if target_scale.dtype == torch.uint8 else 'F32/F8_E8M0'} "
+                                 f"{list(target_scale.shape)}")
+            if e is None or s is None:
+                return
+            ok = self._shape(name, e, target.shape) & self._shape(sname, s, target_scale.shape)
+            if fmt == "fp8":
+                ok &= self._dtype(name, e, {"F8_E4M3"}, "an FP8 e4m3fn weight (load with quantized=False "
+                                  "to dequantize a differently stored checkpoint)")
+            else:
+                ok &= self._dtype(name, e, _PACKED_ST, "packed MXFP4 bytes")
+            scale_ok = {"F8_E8M0"} if target_scale.dtype == torch.uint8 else {"F8_E8M0", "F32"}
+            ok &= self._dtype(sname, s, scale_ok, "E8M0 block scales" if target_scale.dtype == torch.uint8
+                              else "float32 or E8M0 block scales")
+            if not ok:
+                return
+
+            def run(ts: list[torch.Tensor]) -> None:
+                w, sc = ts
+                if fmt == "fp8":
+                    self._check_fp8(name, w)
+                    target.copy_(w)
+                else:
+                    target.copy_(w.view(torch.uint8))
+                self._copy_scale(sname, sc, target_scale)
+
+            self.ops.append(_Op([(name, e), (sname, s)], run))
+            return
+
+        # float model tensor: plain copy, or dequantize an FP8 / MXFP4 checkpoint tensor
+        if sname not in self.entries:
+            return self.plain(name, target)
+        e = self._get(name, f"{str(target.dtype).replace('torch.', '')} {list(target.shape)}")
+        s = self._get(sname, "block scales")
+        if e is None or s is None:
+            return
+        n, k = target.shape
+        if e.dtype == "F8_E4M3":
+            grid = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+            ok = self._shape(name, e, (n, k)) & self._shape(sname, s, grid)
+            ok &= self._dtype(sname, s, {"F8_E8M0", "F32"}, "FP8 block scales")
+            if ok:
+                self.ops.append(_Op([(name, e), (sname, s)],
+                                    lambda ts: self._dequant(name, sname, ts, target, "fp8")))
+        elif e.dtype in _PACKED_ST:
+            ok = self._shape(name, e, (n, k // 2)) & self._shape(sname, s, (n, k // MXFP4_BLOCK))
+            ok &= self._dtype(sname, s, {"F8_E8M0"}, "MXFP4 E8M0 scales")
+            if ok:
+                self.ops.append(_Op([(name, e), (sname, s)],
+                                    lambda ts: self._dequant(name, sname, ts, target, "mxfp4")))
+        else:
+            self._dtype(name, e, {"F8_E4M3", "I8", "U8"}, "a quantized weight (it has a scale)")
+
+    # ---- data movers -----------------------------------------------------------------------
+    def _copy_scale(self, sname: str, sc: torch.Tensor, target: torch.Tensor) -> None:
+        if sc.dtype == torch.float8_e8m0fnu:
+            b = sc.view(torch.uint8)
+            self._check_e8m0(sname, b)
+            target.copy_(b if target.dtype == torch.uint8 else e8m0_decode(b))
+        else:  # float32 scales (-Base)
+            if self.check and not bool((torch.isfinite(sc) & (sc > 0)).all()):
+                self._bad(sname, "has non-finite or non-positive float32 scales")
+            target.copy_(sc)
+
+    def _dequant(self, name: str, sname: str, ts: list[torch.Tensor], target: torch.Tensor, fmt: str) -> None:
+        w, sc = ts
+        if sc.dtype == torch.float8_e8m0fnu:
+            sc = sc.view(torch.uint8)
+            self._check_e8m0(sname, sc)
+        if fmt == "fp8":
+            self._check_fp8(name, w)
+        for r in range(0, w.shape[0], _ROW_CHUNK):
+            rows = slice(r, r + _ROW_CHUNK)
+            if fmt == "fp8":
+                v = dequant_fp8_block(w[rows], sc[r // FP8_BLOCK: (r + _ROW_CHUNK) // FP8_BLOCK])
+            else:
+                v = dequant_mxfp4(w[rows].view(torch.uint8), sc[rows])
+            target[rows].copy_(v)
+
+
+def _plan(model: nn.Module, entries: dict[str, Entry], n_experts: int, check_values: bool,
+          ignore: Callable[[str], bool]) -> _Planner:
+    plan = _Planner(entries, check_values, n_experts)
+    targets = model.state_dict()
+    for name, t in targets.items():
+        m = EXPERTS.match(name)
+        if m:
+            if m.group(3):
+                continue  # handled with its weight
+            prefix, w = m.group(1), m.group(2)
+            ts = targets.get(f"{name}_scale")
+            for e in range(t.shape[0]):
+                plan.weight(f"{prefix}.{e}.{w}.weight", t[e], None if ts is None else ts[e])
+        elif name.endswith(".scale") and name[:-6] + ".weight" in targets:
+            continue  # handled with its weight
+        elif name.endswith(".weight") and t.dim() == 2:
+            plan.weight(name, t, targets.get(name[:-7] + ".scale"))
+        else:
+            plan.plain(name, t)
+    for name in entries:
+        if name not in plan.used and not ignore(name):
+            plan.problems.append(f"extra: {name} ({entries[name].describe()} in {entries[name].file}) "
+                                 "has no place in the model")
+    return plan
+
+
+class _Shards:
+    """Open shards on first use, close each when its last pending tensor has been copied."""
+
+    def __init__(self, root: Path, ops: list[_Op]):
+        self.root = root
+        self.pending: dict[str, int] = {}
+        for op in ops:
+            for f in {e.file for _, e in op.sources}:
+                self.pending[f] = self.pending.get(f, 0) + 1
+        self.open: dict[str, Any] = {}
+
+    def tensor(self, e: Entry) -> torch.Tensor:
+        h = self.open.get(e.file)
+        if h is None:
+            try:
+                h = safe_open(str(self.root / e.file), framework="pt").__enter__()
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(self.root, [f"file: {e.file} could not be opened ({err})"]) from None
+            self.open[e.file] = h
+        t = h.get_tensor(e.key)  # a view of the memory map: nothing is copied yet
+        if e.index is not None:
+            x, lo, hi = e.index
+            t = t[x, lo:hi]
+        return t
+
+    def done(self, op: _Op) -> None:
+        for f in {e.file for _, e in op.sources}:
+            self.pending[f] -= 1
+            if self.pending[f] == 0 and f in self.open:
+                self.open.pop(f).__exit__(None, None, None)
+
+    def close(self) -> None:
+        for h in self.open.values():
+            h.__exit__(None, None, None)
+        self.open.clear()
+
+
+@torch.no_grad()
+def load_into(model: Transformer, ckpt: Checkpoint | str | os.PathLike, *, check_values: bool = True,
+              progress: bool | None = None, skip_mtp: bool = False) -> None:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint.
+
+    Low-bit model tensors take the checkpoint's bytes unchanged; float model tensors take float
+    checkpoint tensors (cast) or dequantized FP8/MXFP4 ones (e.g. `wo_a`, or a float model built to
+    dequantize everything). All structural problems raise one CheckpointError before any data is
+    read; value problems are collected during the copy and raised together at the end.
+    `skip_mtp` ignores `mtp.*` tensors the model has no block for."""
+    if not isinstance(ckpt, Checkpoint):
+        ckpt = open_checkpoint(ckpt)
+    n_mtp = len(getattr(model, "mtp", ()))
+
+    def ignore(name: str) -> bool:
+        m = re.match(r"^mtp\.(\d+)\.(.*)$", name)
+        if m is None:
+            return False
+        # convert.py drops these if present: MTP shares the model's embed and head (spec §2.10)
+        return m.group(2) in ("embed.weight", "head.weight") or (skip_mtp and int(m.group(1)) >= n_mtp)
+
+    plan = _plan(model, ckpt.entries, model.cfg.n_routed_experts, check_values, ignore)
+    if plan.problems:
+        raise CheckpointError(ckpt.path, plan.problems)
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    ops = sorted(plan.ops, key=lambda op: min(order[e.file] for _, e in op.sources))
+    shards = _Shards(ckpt.path, ops)
+    bar = tqdm(total=sum(op.nbytes for op in ops), unit="B", unit_scale=True, desc=f"loading {ckpt.path.name}",
+               disable=None if progress is None else not progress, leave=False)
+    try:
+        for op in ops:
+            op.run([shards.tensor(e) for _, e in op.sources])
+            shards.done(op)
+            bar.update(op.nbytes)
+    finally:
+        shards.close()
+        bar.close()
+    if plan.value_problems:
+        raise CheckpointError(ckpt.path, plan.value_problems)
+
+
+def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | None]:
+    """(linear format, scale format, expert format) as stored, probed on the first layer."""
+    def first(pattern: str) -> Entry | None:
+        rx = re.compile(pattern)
+        names = sorted((n for n in ckpt.entries if rx.match(n)), key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+        return ckpt.entries[names[0]] if names else None
+
+    lin = first(r"^layers\.\d+\.attn\.wq_a\.weight$")
+    sc = first(r"^layers\.\d+\.attn\.wq_a\.scale$")
+    exp = first(r"^layers\.\d+\.ffn\.experts\.\d+\.w1\.weight$")
+    lin_fmt = "fp8" if lin is not None and lin.dtype == "F8_E4M3" else None
+    scale_fmt = ("fp32" if sc is not None and sc.dtype == "F32" else "ue8m0") if lin_fmt else None
+    exp_fmt = None
+    if exp is not None:
+        exp_fmt = {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4"}.get(exp.dtype)
+    return lin_fmt, scale_fmt, exp_fmt
+
+
+@contextlib.contextmanager
+def _no_param_init() -> Iterator[None]:
+    """Skip torch's random init while building a model whose every tensor is about to be loaded
+    (nn.Embedding / nn.Linear would otherwise fill vocab-sized tables for nothing)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, quantized: bool | None = None,
+                    mtp: bool | None = None, overrides: dict[str, Any] | None = None, check_values: bool = True,
+                    progress: bool | None = None) -> Transformer:
+    """Build a Transformer from a checkpoint directory and load its weights.
+
+    quantized: None keeps the stored formats (FP8 linears / MXFP4 or FP8 experts stay low-bit, float
+    checkpoints give a float model); False dequantizes everything into a float model of `dtype`
+    (a reference); True is None but insists that something is quantized.
+    mtp: None keeps MTP blocks if the checkpoint has them and drops them (with a warning) if it has
+    none, as a transformers save does; False drops them; True requires them.
+    overrides: ModelConfig fields that are ours, not the checkpoint's (max_seq_len, quant_sim, ...).
+    """
+    ckpt = open_checkpoint(path)
+    try:
+        cfg = ModelConfig.from_checkpoint(ckpt.config, **(overrides or {}))
+    except ConfigError as e:
+        raise CheckpointError(ckpt.path, [f"config: {e}"]) from None
+    if cfg.n_mtp and (mtp is False or (mtp is None and not ckpt.has_mtp())):
+        if mtp is None:
+            warnings.warn(f"{ckpt.path}: config has {cfg.n_mtp} MTP block(s) but the checkpoint has no mtp.* "
+                          "tensors (a transformers save); loading the model without MTP", stacklevel=2)
+        cfg = cfg.replace(num_nextn_predict_layers=0, compress_ratios=cfg.compress_ratios[:cfg.n_layers])
+    lin, scale_fmt, exp = _storage_formats(ckpt)
+    if quantized is False:
+        model_quantized = False
+    else:
+        if quantized and lin is None and exp is None:
+            raise CheckpointError(ckpt.path, ["dtype: quantized=True but no FP8/MXFP4 weights are stored"])
+        qc = None
+        if lin:
+            qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                  "activation_scheme": "dynamic", **(cfg.quantization_config or {}), "scale_fmt": scale_fmt}
+        declared = (bool(cfg.quantization_config), cfg.expert_dtype if cfg.expert_dtype in ("fp4", "fp8") else None)
+        if declared != (bool(qc), exp):
+            warnings.warn(f"{ckpt.path}: config.json declares linears {'fp8' if declared[0] else 'float'} / experts "
+                          f"{declared[1] or 'float'} but the tensors are {lin or 'float'} / {exp or 'float'}; "
+                          "following the tensors", stacklevel=2)
+        cfg = cfg.replace(quantization_config=qc, expert_dtype=exp)
+        model_quantized = bool(lin or exp)
+    with _no_param_init():
+        model = Transformer(cfg, dtype=dtype, quantized=model_quantized)
+    load_into(model, ckpt, check_values=check_values, progress=progress, skip_mtp=cfg.n_mtp == 0)
+    return model.eval()
