@@ -27,9 +27,9 @@ examples:
   dsv4 export --preset tiny --dtype fp32 --target llvm-cpu -o out/tiny
 """
 
-# third-party warnings printed while tracing that say nothing about the user's export
-_QUIET = [(FutureWarning, r"(torch|iree|transformers)(\.|$)"), (DeprecationWarning, r"(torch|iree)(\.|$)"),
-          (UserWarning, r"torch\.(export|_export|fx|_dynamo)(\.|$)")]
+# Warnings third-party code prints while tracing (torch.export's pytree deprecations, issued from
+# copyreg and torch internals, 6-12 lines per export); they say nothing about the user's export.
+_QUIET = [(FutureWarning, ""), (DeprecationWarning, ""), (UserWarning, r"torch\.(export|_export|fx|_dynamo)(\.|$)")]
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -93,6 +93,8 @@ def _count(model) -> str:
             weights += 2 * p.numel()  # MXFP4: two 4-bit weights per byte
         elif p.is_floating_point():
             weights += p.numel()
+    if weights == stored:
+        return f"{weights / 1e6:.2f} M weights"
     return (f"{weights / 1e6:.2f} M weights ({stored / 1e6:.2f} M stored tensor elements: MXFP4 packs 2 per "
             f"byte, {scales / 1e6:.2f} M block scales)")
 

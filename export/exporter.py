@@ -226,7 +226,7 @@ def _no_stack_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _heartbeat(log: Callable[[str], None], what: str, every: float = 20.0) -> Iterator[None]:
+def _heartbeat(log: Callable[[str], None], what: str, every: float = 30.0) -> Iterator[None]:
     """Log "<what>: N s" every `every` seconds while the block runs (tracing and iree-compile take
     minutes with no output of their own)."""
     done = threading.Event()
