@@ -79,20 +79,25 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     return p
 
 
-def _count(model) -> str:
-    """The parameter count, precisely: weights as trained (a packed MXFP4 byte holds 2), apart from
-    the block scales and integer tables; and the tensor elements actually stored."""
+def parameter_counts(model) -> tuple[int, int, int]:
+    """(weights as trained, of which a packed MXFP4 byte holds 2; FP8/FP4 block scales; tensor
+    elements stored). Integer tables (hash routing) are in neither of the first two."""
     import torch
 
     weights = scales = stored = 0
     for name, p in model.named_parameters():
         stored += p.numel()
         if p.dtype == torch.uint8 and name.endswith("scale"):
-            scales += p.numel()  # e8m0 block scales of FP8/FP4 weights
+            scales += p.numel()  # e8m0 block scales
         elif p.dtype == torch.uint8:
             weights += 2 * p.numel()  # MXFP4: two 4-bit weights per byte
         elif p.is_floating_point():
             weights += p.numel()
+    return weights, scales, stored
+
+
+def _count(model) -> str:
+    weights, scales, stored = parameter_counts(model)
     if weights == stored:
         return f"{weights / 1e6:.2f} M weights"
     return (f"{weights / 1e6:.2f} M weights ({stored / 1e6:.2f} M stored tensor elements: MXFP4 packs 2 per "

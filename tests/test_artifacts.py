@@ -299,3 +299,14 @@ def test_stop_matcher_find_new_searches_only_the_tail() -> None:
     assert m.find_new("xxxxSTOP", 7) == 4  # the stop string straddles the old end
     assert m.find_new("abxxxx", 6) is None  # an earlier hit is not searched again
     assert StopMatcher([]).find_new("anything", 0) is None
+
+
+def test_seed_is_printed_only_when_it_matters(toy: Path, capsys) -> None:
+    from dsv4.runtime.cli import main
+
+    assert main(["generate", str(toy), "--prompt", "hello", "--max-new-tokens", "3", "--ignore-eos"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stop: length" in summary and "seed" not in summary  # greedy draws nothing
+    assert main(["generate", str(toy), "--prompt", "hello", "--max-new-tokens", "3", "--ignore-eos",
+                 "--temperature", "0.8", "--seed", "3"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("seed 3]")
