@@ -52,8 +52,8 @@ __all__ = ["Engine", "GenerationResult", "StreamChunk", "ScoreResult", "Sampling
 class GenerationResult:
     """A finished request. ``tokens`` include the eos/stop token that ended it; ``text`` does not
     (special tokens are skipped and the text is cut before a stop string); ``text`` is None when
-    the export has no tokenizer. ``seed`` is the sampling seed (None for greedy requests, which
-    draw nothing); ``ttft_s`` is submit-to-first-token, ``tpot_s`` the mean time per later token."""
+    the export has no tokenizer. ``seed`` reproduces a sampled request (greedy ones draw nothing
+    from it); ``ttft_s`` is submit-to-first-token, ``tpot_s`` the mean time per later token."""
 
     request_id: int
     prompt_tokens: list[int]
@@ -250,6 +250,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """True while any request is queued or running (``step()`` has something to do)."""
         return bool(self._queue or self._running)
 
     def result(self, request_id: int) -> GenerationResult | None:

@@ -310,3 +310,23 @@ def test_seed_is_printed_only_when_it_matters(toy: Path, capsys) -> None:
     assert main(["generate", str(toy), "--prompt", "hello", "--max-new-tokens", "3", "--ignore-eos",
                  "--temperature", "0.8", "--seed", "3"]) == 0
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("seed 3]")
+
+
+def test_ctrl_c_while_generating_exits_130_and_frees_the_slot(toy: Path, capsys, monkeypatch) -> None:
+    from dsv4.runtime.cli import main
+    from dsv4.runtime.engine import Engine
+
+    real_step, calls, engines = Engine.step, [], []
+
+    def step(self):
+        engines.append(self)
+        calls.append(1)
+        if len(calls) == 3:  # the user presses Ctrl-C after two tokens
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    assert main(["generate", str(toy), "--prompt", "hello", "--max-new-tokens", "20", "--ignore-eos"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert engines[0].slots.n_free == engines[0].config.n_slots and not engines[0].has_work
