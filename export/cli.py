@@ -28,8 +28,10 @@ examples:
 """
 
 # Warnings third-party code prints while tracing (torch.export's pytree deprecations, issued from
-# copyreg and torch internals, 6-12 lines per export); they say nothing about the user's export.
-_QUIET = [(FutureWarning, ""), (DeprecationWarning, ""), (UserWarning, r"torch\.(export|_export|fx|_dynamo)(\.|$)")]
+# copyreg and torch internals; turbine's "strict_export == False" notice), 6-12 lines per export;
+# they say nothing about the user's export.
+_QUIET = [(FutureWarning, ""), (DeprecationWarning, ""),
+          (UserWarning, r"(torch\.(export|_export|fx|_dynamo)|iree\.turbine)(\.|$)")]
 
 
 def _batch_sizes(text: str) -> list[int]:
