@@ -127,3 +127,22 @@ def test_heartbeat_reports_elapsed_time_while_a_stage_runs() -> None:
     n = len(lines)
     time.sleep(0.1)
     assert len(lines) == n  # stops with the stage
+
+
+def test_export_silences_known_third_party_warnings_only() -> None:
+    """The warnings seen in `dsv4 export` output (torch.export's pytree FutureWarning issued from
+    copyreg, turbine's strict_export notice) are filtered; a warning from our code is not."""
+    import warnings
+
+    from dsv4.export.cli import _QUIET
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("default")
+        for cat, mod in _QUIET:
+            warnings.filterwarnings("ignore", category=cat, module=mod)
+        warnings.warn_explicit("isinstance(treespec, LeafSpec) is deprecated", FutureWarning, "copyreg.py", 105,
+                               module="copyreg")
+        warnings.warn_explicit("When strict_export == False ...", UserWarning, "exporter.py", 272,
+                               module="iree.turbine.aot.exporter")
+        warnings.warn_explicit("ours", UserWarning, "model.py", 1, module="dsv4.model.model")
+    assert [str(r.message) for r in rec] == ["ours"]
