@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	@echo "installing the pinned toolchain into $(VENV) (torch, iree-turbine, iree-base-compiler: 1-2 min) ..."
 	$(BIN)/pip install -q -e '.[export,test]'
 	touch $(STAMP)
 
@@ -20,7 +21,7 @@ EXPORT_DIR ?= out/default
 TARGETS ?= --target llvm-cpu --target gfx942
 PROMPT ?= The list data type has some more methods.
 MAX_NEW_TOKENS ?= 48
-EXPORT_DEPS := $(wildcard model/*.py model/checkpoint/*.py model/kernels/*.py export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
+EXPORT_DEPS := $(wildcard model/*.py model/checkpoint/*.py model/kernels/*.py export/*.py runtime/artifact.py model/assets/small/*.json model/assets/small/*.safetensors)
 
 $(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
 	$(BIN)/dsv4 export $(TARGETS) --batch-sizes 1 --no-score -o $(EXPORT_DIR)

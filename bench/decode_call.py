@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         import iree.runtime as rt
 
         rt.flags.parse_flags("--cuda_use_streams=false")
-    from dsv4.runtime.engine import Engine
+    from dsv4.runtime import Engine
 
     eng = Engine(args.export_dir, device=args.device)
     print(f"{'function':<12} {'ms/call':>8} {'in call':>8}")
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 a = time.perf_counter()
-                _, argmax = eng._call(f"decode_bs{bs}", tokens, start, lengths, slots)
+                _, argmax = eng.invoke(f"decode_bs{bs}", tokens, start, lengths, slots)
                 in_call += time.perf_counter() - a
                 np.asarray(argmax.to_host())
             total = time.perf_counter() - t0

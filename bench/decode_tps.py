@@ -26,7 +26,7 @@ from pathlib import Path
 
 def bench_compiled(export_dir: Path, prompt: list[int], batch: int, steps: int, device: str) -> dict:
     """Decode tokens/s of the compiled module through the Engine (host argmax, padded batches)."""
-    from dsv4.runtime.engine import Engine, SamplingParams
+    from dsv4.runtime import Engine, SamplingParams
 
     eng = Engine(export_dir, device=device)
     sp = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     export_dir = args.export_dir or export_preset(args.preset, Path(tempfile.mkdtemp(prefix="dsv4_bench_")),
                                                   args.dtype, max(args.batch))
-    cfg = json.loads((export_dir / "config.json").read_text())
+    from dsv4.runtime import ExportConfig
+
+    cfg = ExportConfig.load(export_dir).raw
     vocab = cfg["model"]["vocab_size"]
     prompt = [cfg.get("bos_token_id") or 0] + [(7 * i + 3) % vocab for i in range(args.prompt_len - 1)]
     for b in args.batch:

@@ -1,9 +1,6 @@
 """Export side of dsv4: torch model -> MLIR (iree-turbine) -> vmfb (iree-compile).
 
-Importing this package applies the turbine 3.9 / compiler 3.13 compatibility shim
-(`compat.apply()`), so every exporter and test gets a working CustomOp path without remembering to.
+Importing this package has no side effects (and needs no torch): the turbine compatibility
+patches (`compat.apply()`) are applied by the code that uses turbine (`exporter.export_model`,
+`kernel_op`'s custom ops), so `dsv4.export.cli` can be imported by the torch-free `dsv4` command.
 """
-
-from . import compat as _compat
-
-_compat.apply()

@@ -1,7 +1,8 @@
 """`dsv4 export`: build a compiled artifact directory (config.json, model.irpa, model.<target>.vmfb).
 
-Wired into the `dsv4` command by `add_parser(subparsers)` (runtime/cli.py); torch and turbine are
-imported only when the command runs, so `dsv4 --help` stays fast.
+Wired into the `dsv4` command by `add_parser(subparsers)` (runtime/cli.py). This module imports no
+torch at import time: torch, turbine and the compiler load only when the command runs, so `dsv4 --help`
+stays fast and a runtime-only install can name the missing extra.
 """
 
 from __future__ import annotations
@@ -9,9 +10,28 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 __all__ = ["add_parser", "cmd_export"]
+
+DESCRIPTION = """\
+Export the model and compile it with IREE into OUT: config.json (the contract the runtime reads),
+model.irpa (weights) and one model.<target>.vmfb per --target. Without --checkpoint/--preset the
+embedded small model (model/assets/small) is exported. The export is built beside OUT and moved into
+place only when it is complete: a failure leaves OUT as it was. Then: dsv4 generate OUT --prompt ...
+
+examples:
+  dsv4 export --target llvm-cpu -o out/cpu                        # run here with `dsv4 generate`
+  dsv4 export --target gfx942 --target cuda -o out/gpu             # MI300X and NVIDIA (sm_89 PTX)
+  dsv4 export --preset tiny --dtype fp32 --target llvm-cpu -o out/tiny
+"""
+
+# Warnings third-party code prints while tracing (torch.export's pytree deprecations, issued from
+# copyreg and torch internals; turbine's "strict_export == False" notice), 6-12 lines per export;
+# they say nothing about the user's export.
+_QUIET = [(FutureWarning, ""), (DeprecationWarning, ""),
+          (UserWarning, r"(torch\.(export|_export|fx|_dynamo)|iree\.turbine)(\.|$)")]
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -26,30 +46,64 @@ def _batch_sizes(text: str) -> list[int]:
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="export + compile the model to IREE (vmfb per target, .irpa, config.json)",
-                              description=__doc__)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="DIR",
                      help="checkpoint directory (config.json + safetensors); default: the embedded small model")
     src.add_argument("--preset", help="a ModelConfig preset with random weights (e.g. tiny)")
     p.add_argument("--target", action="append", dest="targets", metavar="T",
-                   help="gfx942 (default), llvm-cpu, cuda, optionally NAME:ARCH (e.g. cuda:sm_80); repeatable")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 4], help="prefill/decode batch sizes (1,4)")
-    p.add_argument("--decode-batch-sizes", type=_batch_sizes, default=None, help="decode batch sizes (default: same)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="override the state size (positions per slot)")
-    p.add_argument("--max-chunk", type=int, default=None, help="largest prefill chunk T (default min(max_seq_len, 512))")
-    p.add_argument("--n-slots", type=int, default=None, help="state slots (default: largest batch size)")
+                   help="gfx942 (default; MI300), llvm-cpu (this CPU), cuda (sm_89 PTX, runs on Ampere..Hopper); "
+                        "NAME:ARCH picks the arch, e.g. cuda:sm_80, llvm-cpu:generic; repeatable")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 4], metavar="N,..",
+                   help="prefill (and decode) batch sizes, one entry point each (default: 1,4)")
+    p.add_argument("--decode-batch-sizes", type=_batch_sizes, default=None, metavar="N,..",
+                   help="decode batch sizes (default: the --batch-sizes)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="positions per slot in the state (default: the model config's)")
+    p.add_argument("--max-chunk", type=int, default=None, metavar="T",
+                   help="largest prefill chunk (default: min(max_seq_len, 512))")
+    p.add_argument("--n-slots", type=int, default=None, metavar="N",
+                   help="state slots = requests running at once (default: the largest batch size)")
     p.add_argument("--quant-sim", choices=("on", "off"), default=None,
                    help="the reference's FP8/FP4 QAT simulations (default: the config's)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype")
-    p.add_argument("--seed", type=int, default=0, help="random-weight seed (--preset)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype (default: bf16)")
+    p.add_argument("--seed", type=int, default=0, help="random-weight seed for --preset (default: 0)")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL",
                    help="lowering of a hot spot, e.g. sparse_attention=kernel (ops: sparse_attention, "
                         "indexer_scores, fp8_block_linear, mxfp4_linear, moe_experts; '*=kernel' for all); repeatable")
-    p.add_argument("--no-score", action="store_true", help="skip the score_bs1 entry point")
+    p.add_argument("--no-score", action="store_true",
+                   help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
     p.add_argument("--keep-mlir", action="store_true", help="keep model.mlir in the output directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT even when it is a non-empty directory that is not a dsv4 export")
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output directory")
     p.set_defaults(fn=cmd_export)
     return p
+
+
+def parameter_counts(model) -> tuple[int, int, int]:
+    """(weights as trained, of which a packed MXFP4 byte holds 2; FP8/FP4 block scales; tensor
+    elements stored). Integer tables (hash routing) are in neither of the first two."""
+    import torch
+
+    weights = scales = stored = 0
+    for name, p in model.named_parameters():
+        stored += p.numel()
+        if p.dtype == torch.uint8 and name.endswith("scale"):
+            scales += p.numel()  # e8m0 block scales
+        elif p.dtype == torch.uint8:
+            weights += 2 * p.numel()  # MXFP4: two 4-bit weights per byte
+        elif p.is_floating_point():
+            weights += p.numel()
+    return weights, scales, stored
+
+
+def _count(model) -> str:
+    weights, scales, stored = parameter_counts(model)
+    if weights == stored:
+        return f"{weights / 1e6:.2f} M weights"
+    return (f"{weights / 1e6:.2f} M weights ({stored / 1e6:.2f} M stored tensor elements: MXFP4 packs 2 per "
+            f"byte, {scales / 1e6:.2f} M block scales)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -58,19 +112,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
+    from dsv4.runtime.artifact import check_out_dir
+
+    from dsv4.export.compile import check_target
     from dsv4.export.exporter import ExportError, export_model
 
-    stage = "load"
+    for cat, mod in _QUIET:
+        warnings.filterwarnings("ignore", category=cat, module=mod)
+    stage = "validate"
     try:
+        check_out_dir(args.out, force=args.force)  # before minutes of work
+        targets = args.targets or ["gfx942"]
+        for t in targets:
+            check_target(t)
         import torch
 
-        from dsv4.export.compile import resolve_target
         from dsv4.model.config import ModelConfig
         from dsv4.model.model import Transformer, init_random
 
-        targets = args.targets or ["gfx942"]
-        for t in targets:  # fail on a typo before spending minutes on loading
-            resolve_target(t)
+        stage = "load"
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         overrides = {}
         if args.max_seq_len is not None:
@@ -91,8 +151,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             log(f"preset {args.preset}: random weights (seed {args.seed})")
             model = init_random(Transformer(cfg, dtype=dtype), seed=args.seed)
         cfg = model.cfg
-        log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {args.dtype}")
+        log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {_count(model)}, "
+            f"{args.dtype}")
         kernels = {}
         for item in args.kernel:
             op, sep, impl = item.partition("=")
@@ -103,10 +163,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         res = export_model(model, cfg, args.out, targets=targets, batch_sizes=args.batch_sizes,
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
-                           tokenizer=tokenizer, progress=log, kernels=kernels)
+                           tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
-        return 1
+        return 1 if e.stage.startswith(("trace", "import", "compile")) else 2
     except (ValueError, OSError) as e:  # ConfigError/CheckpointError are ValueErrors
         print(f"dsv4 export: error in stage '{stage}': {e}", file=sys.stderr)
         return 2
@@ -116,4 +176,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"  {name}: {info['vmfb']} ({size / 1e6:.2f} MB, compiled in {info['compile_s']:.1f} s)")
     irpa = res.out_dir / res.config["parameters"]
     print(f"  parameters: {irpa.name} ({irpa.stat().st_size / 1e6:.1f} MB); config: {res.config_path}")
+    if not res.config["functions"].get("score_bs1"):
+        print("  (no score_bs1: `dsv4 score` needs an export without --no-score)")
     return 0

@@ -22,7 +22,9 @@ lacks `--iree-rocm-target`, and newer codegen matters for gfx942). Two gaps betw
    the HAL element-type table, the host numpy view table and the .irpa metadata name table. The
    fx importer itself already knows ``f8E8M0FNU``.
 
-``apply()`` is idempotent and is called when ``dsv4.export`` is imported. Delete this module once a
+``apply()`` is idempotent and is called where turbine is used (``exporter.export_model``, the
+custom-op registration in ``kernel_op``; importing ``dsv4.export`` does nothing). Code that drives
+turbine directly (tests) calls it first. Delete this module once a
 turbine release with the fix is pinned (``needs_isinstance_shim()`` then returns False and
 ``apply`` becomes a no-op for part 1).
 """

@@ -13,9 +13,13 @@ of flags; the choices are measured in ``docs/export-notes.md`` and ``shared/docs
 * ``llvm-cpu``: ``--iree-llvmcpu-target-cpu=host`` because CI builds and runs the artifact on the
   same machine; ``llvm-cpu:generic`` (or ``llvm-cpu:x86-64-v3``, any LLVM CPU name) builds a
   portable one. The 1 MiB stack limit is needed by top-k over bounded dynamic dims; pair it
-  with the runtime flag ``--task_worker_stack_size=1048576`` (see ``iree_run``).
+  with the runtime flag ``--task_worker_stack_size=1048576`` (``dsv4.runtime.module``).
 * ``cuda``: ``sm_89`` PTX (3.13 cannot target ``sm_90``: "missing GPU target"); the driver JITs it
   on Hopper. Override with ``cuda:sm_80``.
+
+`check_target` rejects what cannot work before any tracing: unknown names, CUDA archs compiler
+3.13 lacks (a table, with the advice to use sm_89), and anything else iree-compile refuses on a
+four-line function (about 1 s: bad LLVM CPU names, unknown ROCm archs).
 
 ``name:arch`` replaces the target's architecture flag instead of appending a duplicate (duplicate
 ``cl`` flags are accepted and the last one wins, which is easy to misread in logs).
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from dsv4.runtime.artifact import TARGET_DRIVERS
+
 __all__ = [
     "DEFAULT_TARGET",
     "SMALL_FLOAT_EMULATION",
@@ -39,6 +45,7 @@ __all__ = [
     "Target",
     "compile_mlir",
     "resolve_target",
+    "check_target",
     "target_names",
     "VmfbExecutable",
     "vmfb_executables",
@@ -75,7 +82,7 @@ class Target:
 TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
-        driver="hip",
+        driver=TARGET_DRIVERS["gfx942"],
         base_flags=("--iree-hal-target-device=hip",),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
@@ -83,7 +90,7 @@ TARGETS: dict[str, Target] = {
     ),
     "llvm-cpu": Target(
         name="llvm-cpu",
-        driver="local-task",
+        driver=TARGET_DRIVERS["llvm-cpu"],
         base_flags=(
             "--iree-hal-target-device=local",
             "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -95,7 +102,7 @@ TARGETS: dict[str, Target] = {
     ),
     "cuda": Target(
         name="cuda",
-        driver="cuda",
+        driver=TARGET_DRIVERS["cuda"],
         base_flags=("--iree-hal-target-device=cuda",),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
@@ -128,6 +135,44 @@ def resolve_target(spec: "str | Target | None" = None) -> Target:
     if _ and not arch:
         raise ValueError(f"empty architecture in target {spec!r}")
     return target.with_arch(arch) if arch else target
+
+
+# CUDA archs compiler 3.13 accepts (iree-notes: sm_90/sm_100 give "missing GPU target" after the
+# whole compile; hopper/h100 are unknown names)
+CUDA_ARCHS = ("sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_120",
+              "a100", "ampere", "ada", "turing", "rtx4090")
+_PREFLIGHT_MLIR = """func.func @preflight(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.mulf %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+_checked: set[tuple[str, str]] = set()
+
+
+def check_target(spec: "str | Target") -> Target:
+    """Resolve ``spec`` and prove iree-compile accepts it (a four-line function, ~1 s, once per
+    process); ValueError naming what works otherwise. Call it before tracing."""
+    import tempfile
+
+    tgt = resolve_target(spec)
+    if tgt.name == "cuda" and tgt.arch not in CUDA_ARCHS:
+        raise ValueError(f"cuda arch {tgt.arch!r} is not supported by iree-compile 3.13 (sm_90/sm_100 fail "
+                         f"with 'missing GPU target'); use one of {', '.join(CUDA_ARCHS)}: sm_89 PTX runs on "
+                         "Hopper (H100/H200), the driver JIT-compiles it (the default: --target cuda)")
+    if (tgt.name, tgt.arch) in _checked:
+        return tgt
+    with tempfile.TemporaryDirectory(prefix="dsv4_preflight_") as d:
+        try:
+            compile_mlir(_PREFLIGHT_MLIR, tgt, Path(d) / "preflight.vmfb")
+        except CompileError as e:
+            first = e.summary.splitlines()[1].strip() if len(e.summary.splitlines()) > 1 else e.summary
+            hint = {"llvm-cpu": "an LLVM CPU name such as host, generic, x86-64-v3, znver4, skylake-avx512",
+                    "gfx942": "an AMD GPU arch such as gfx942, gfx90a, gfx950, gfx1100",
+                    "cuda": ", ".join(CUDA_ARCHS)}[tgt.name]
+            raise ValueError(f"target {tgt.label!r} is refused by iree-compile: {first}; the arch must be "
+                             f"{hint}") from None
+    _checked.add((tgt.name, tgt.arch))
+    return tgt
 
 
 @dataclass(frozen=True)
@@ -220,6 +265,16 @@ def _crash_frames(raw: str, n: int = 2) -> list[str]:
     return [_clip(f) for f in frames if not _HANDLER_FRAME.search(f)][:n]
 
 
+def _first_lines(diags: str, n: int = 2) -> list[str]:
+    """The first ``n`` distinct non-empty lines, plus an ``LLVM ERROR`` line when there is one."""
+    out: list[str] = []
+    for line in diags.splitlines():
+        line = line.strip()
+        if line and line not in out and (len(out) < n or line.startswith("LLVM ERROR")):
+            out.append(_clip(line))
+    return out
+
+
 def _clip(s: str) -> str:
     return s if len(s) <= _MAX_LINE else s[: _MAX_LINE - 5] + " ..."
 
@@ -244,11 +299,13 @@ def compile_mlir(
     target: "str | Target | None" = DEFAULT_TARGET,
     output_path: "str | Path | None" = None,
     extra_flags: Sequence[str] = (),
+    log_path: "str | Path | None" = None,
 ) -> CompileResult:
     """Compile MLIR (a path, text/bytecode, or a turbine ExportOutput) to ``output_path`` (.vmfb).
 
-    Raises ``CompileError`` (short message, full log in ``<output>.log``) or ValueError for an
-    unknown target. ``extra_flags`` come last, so they override same-named target flags."""
+    Raises ``CompileError`` (short message, full log in ``log_path``, default ``<output>.log``)
+    or ValueError for an unknown target. ``extra_flags`` come last, so they override same-named
+    target flags."""
     from iree.compiler import compile_file, compile_str
     from iree.compiler.tools.binaries import CompilerToolError
 
@@ -260,7 +317,7 @@ def compile_mlir(
         output_path = Path(src).with_suffix(f".{tgt.name}.vmfb")
     out = Path(output_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out.with_name(out.name + ".log")
+    log_path = Path(log_path) if log_path is not None else out.with_name(out.name + ".log")
     flags = (*tgt.flags, *extra_flags)
     t0 = time.perf_counter()
     try:
@@ -286,8 +343,10 @@ def compile_mlir(
             head = f"iree-compile failed for target '{tgt.label}' on {label}"
         if not picked and rc is not None and (rc < 0 or rc > 128):
             picked = [f"crashed in: {f}" for f in _crash_frames(raw)]
+        if not picked:  # no MLIR diagnostic (e.g. an LLVM option error): its first lines
+            picked = _first_lines(_diagnostics_of(raw))
         parts = [head + ":"]
-        parts += ["  " + p for p in (picked or ["(no 'error:' line in the output)"])]
+        parts += ["  " + p for p in (picked or ["(the compiler printed nothing)"])]
         if ops:
             parts.append(f"  offending op(s): {', '.join(ops)}")
         if SMALL_FLOAT_EMULATION in raw and SMALL_FLOAT_EMULATION not in flags:

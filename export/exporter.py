@@ -15,6 +15,12 @@ The state is passed as separate arguments in `state_spec` order and updated in p
 ``index_put_``; the runtime must pass device arrays to see the update). Rows with lengths 0 only
 write scratch rows, so they pad batches; slots within one call must be distinct.
 
+The directory's contract (config.json fields, entry-point ABI, target -> driver) is defined once
+in the torch-free ``dsv4.runtime.artifact``, which the engine reads with. The export is built in a
+temporary directory beside ``out_dir`` and moved into place only when complete, so a failed
+re-export leaves a working export as it was; a non-empty directory that is not a dsv4 export is
+refused unless ``force``.
+
 Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with externalized
 parameters (one .irpa shared by all entry points), strict=False tracing, every top-k as an argmax
 chain while tracing (IREE 3.13 returns wrong top-k indices in multi-layer dynamic graphs,
@@ -28,11 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import shutil
+import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -40,14 +45,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from dsv4.runtime.artifact import (FORMAT, PARAM_SCOPE, VERSION, build_config, check_out_dir, function_abi,
+                                   new_export_id, staged_export, write_config)
+
 from . import compat as _compat
-from .compile import CompileError, Target, compile_mlir, resolve_target
+from .compile import CompileError, Target, check_target, compile_mlir
 
 __all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION", "state_entries",
            "function_abi", "score_logprobs"]
 
-FORMAT = "dsv4-iree-export"
-VERSION = 1
 STATE_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FNUZ_TARGETS = ("gfx942",)  # targets whose native FP8 is e4m3fnuz
 
@@ -125,11 +131,6 @@ def state_entries(cfg, n_slots: int, dtype: torch.dtype) -> list[dict[str, Any]]
             for n, (shape, dt) in state_spec(cfg, n_slots, dtype).items()]
 
 
-def function_abi(kind: str, names: Sequence[str]) -> dict[str, list[str]]:
-    results = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"]}[kind]
-    return {"args": ["tokens", "start_pos", "lengths", "slots", *names], "results": results}
-
-
 def _has_fp8(model: nn.Module) -> bool:
     return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) for p in model.parameters())
 
@@ -166,7 +167,7 @@ def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequen
     if not targets:
         raise ExportError("validate", "no compile target given")
     try:
-        tgts = [resolve_target(t) for t in targets]
+        tgts = [check_target(t) for t in targets]
     except ValueError as e:
         raise ExportError("validate", str(e)) from None
     if len({t.name for t in tgts}) != len(tgts):
@@ -224,6 +225,26 @@ def _no_stack_traces() -> Iterator[None]:
         fxc.do_not_emit_stack_traces = saved
 
 
+@contextlib.contextmanager
+def _heartbeat(log: Callable[[str], None], what: str, every: float = 30.0) -> Iterator[None]:
+    """Log "<what>: N s" every `every` seconds while the block runs (tracing and iree-compile take
+    minutes with no output of their own)."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log(f"  ... {what}: {time.perf_counter() - t0:.0f} s")
+
+    th = threading.Thread(target=beat, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join()
+
+
 def _program(fn: Callable) -> Callable:
     """A function with the exact signature torch.export matches dynamic_shapes against."""
 
@@ -244,7 +265,7 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
 
     entry = _Entry(model, state_names).eval()
     t0 = time.perf_counter()
-    aot.externalize_module_parameters(entry, external_scope="model")
+    aot.externalize_module_parameters(entry, external_scope=PARAM_SCOPE)
     aot.save_module_parameters(irpa_path, entry)
     timings[f"parameters{tag}"] = time.perf_counter() - t0
     log(f"parameters -> {irpa_path.name} ({irpa_path.stat().st_size / 1e6:.1f} MB, {timings[f'parameters{tag}']:.1f} s)")
@@ -276,7 +297,8 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:
-                fxb.export_program(_program(fn), name=name, args=args, dynamic_shapes=dshapes, strict=False)
+                with _heartbeat(log, f"tracing {name}"):
+                    fxb.export_program(_program(fn), name=name, args=args, dynamic_shapes=dshapes, strict=False)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
@@ -286,8 +308,9 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
 
     t0 = time.perf_counter()
     try:
-        eo = aot.export(fxb, import_symbolic_shape_expressions=False)
-        eo.save_mlir(str(mlir_path))
+        with _heartbeat(log, "importing to MLIR"):
+            eo = aot.export(fxb, import_symbolic_shape_expressions=False)
+            eo.save_mlir(str(mlir_path))
     except Exception as e:
         raise ExportError("import", _short(e), _ops_of(e)) from e
     timings[f"import{tag}"] = time.perf_counter() - t0
@@ -299,14 +322,16 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  keep_mlir: bool = False, *, decode_batch_sizes: Sequence[int] | None = None,
                  score: bool = True, tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
-                 probe_topk: bool = False, kernels: Mapping[str, str] | None = None) -> ExportResult:
+                 probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
+                 force: bool = False) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
     parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
-    (export/model_kernels.py; default: every reference). Raises ExportError naming the failing
-    stage (and op, when known). Returns the config.json dict
-    and per-stage timings (seconds)."""
+    (export/model_kernels.py; default: every reference). `force` replaces a non-empty `out_dir`
+    that is not a dsv4 export. Raises ExportError naming the failing stage (and op, when known);
+    `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
+    Returns the config.json dict and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
@@ -322,16 +347,41 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
             if op != "*" and (op not in MODEL_OPS or impl not in MODEL_OPS[op].impl_names):
                 raise ExportError("validate", f"unknown kernel choice {op}={impl}; ops and implementations: "
                                   + "; ".join(f"{n}: {'/'.join(o.impl_names)}" for n, o in MODEL_OPS.items()))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    tok_src = None
+    if tokenizer is not None:
+        tok_src = Path(tokenizer)
+        if tok_src.is_dir():
+            tok_src = tok_src / "tokenizer.json"
+        if not tok_src.is_file():
+            raise ExportError("validate", f"no tokenizer.json at {tok_src}")
     model = model.eval()
     act = model.dtype
     if act not in STATE_DTYPE_NAMES:
         raise ExportError("validate", f"unsupported activation dtype {act}")
+    out = Path(out_dir)
+    try:
+        check_out_dir(out, force=force)
+    except ValueError as e:
+        raise ExportError("validate", str(e)) from None
+    with staged_export(out, force=True) as stage:
+        config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
+                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, dict(kernels or {}))
+    timings = config.pop("_timings")
+    timings["total"] = time.perf_counter() - t_all
+    log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
+    return ExportResult(out, config, timings)
+
+
+def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype, tgts: list[Target],
+                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
+                 n_slots: int, keep_mlir: bool, tok_src: Path | None, log: Callable[[str], None],
+                 extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str]) -> dict[str, Any]:
+    """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
+    (with the stage timings under "_timings", removed by the caller)."""
     from dsv4.model.state import state_spec
 
     state_names = list(state_spec(cfg, n_slots, act))
-    export_id = uuid.uuid4().hex
+    export_id = new_export_id()
     timings: dict[str, float] = {}
 
     # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
@@ -345,18 +395,20 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
         gmodel = _to_fnuz(model) if flavour == "fnuz" else model
-        mlir_path = out / f"model{suffix}.mlir"
-        irpa_path = out / f"model{suffix}.irpa"
+        mlir_path = stage / f"model{suffix}.mlir"
+        irpa_path = stage / f"model{suffix}.irpa"
         first_irpa = first_irpa or irpa_path.name
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
             f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
         _build_mlir(gmodel, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk, dict(kernels or {}))
+                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk, kernels)
         for t in gtargets:
-            vmfb = out / f"model.{t.name}.vmfb"
+            vmfb = stage / f"model.{t.name}.vmfb"
             log(f"compiling {t.label} ...")
             try:
-                res = compile_mlir(mlir_path, t, vmfb, extra_flags)
+                with _heartbeat(log, f"compiling {t.label}"):
+                    res = compile_mlir(mlir_path, t, vmfb, extra_flags,
+                                       log_path=out.parent / f"{out.name}.{t.name}.log")
             except CompileError as e:
                 raise ExportError(f"compile:{t.label}", str(e), e.ops) from None
             timings[f"compile:{t.label}"] = res.seconds
@@ -370,46 +422,21 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
             mlir_path.unlink(missing_ok=True)
 
     tok_name = None
-    if tokenizer is not None:
-        tok_src = Path(tokenizer)
-        if tok_src.is_dir():
-            tok_src = tok_src / "tokenizer.json"
-        if not tok_src.is_file():
-            raise ExportError("tokenizer", f"no tokenizer.json at {tok_src}")
-        shutil.copyfile(tok_src, out / "tokenizer.json")
+    if tok_src is not None:
+        shutil.copyfile(tok_src, stage / "tokenizer.json")
         tc = tok_src.with_name("tokenizer_config.json")
         if tc.is_file():
-            shutil.copyfile(tc, out / "tokenizer_config.json")
+            shutil.copyfile(tc, stage / "tokenizer_config.json")
         tok_name = "tokenizer.json"
 
-    functions: dict[str, Any] = {}
-    for n in bs:
-        functions[f"prefill_bs{n}"] = function_abi("prefill", state_names)
-    for n in dec_bs:
-        functions[f"decode_bs{n}"] = function_abi("decode", state_names)
-    for n in score_bs:
-        functions[f"score_bs{n}"] = function_abi("score", state_names)
+    extra = {}
     if probe_topk:
-        functions["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk..."]}
-    config = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": cfg.to_dict(),
-        "activation_dtype": STATE_DTYPE_NAMES[act],
-        "n_slots": n_slots,
-        "max_seq_len": cfg.max_seq_len,
-        "prefill": {"batch_sizes": bs, "min_tokens": min_tokens, "max_tokens": max_chunk},
-        "decode": {"batch_sizes": dec_bs},
-        "state": state_entries(cfg, n_slots, act),
-        "functions": functions,
-        "targets": target_info,
-        "parameters": first_irpa,
-        "tokenizer": tok_name,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_ids": list(cfg.eos_ids),
-        "export_id": export_id,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    timings["total"] = time.perf_counter() - t_all
-    log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
-    return ExportResult(out, config, timings)
+        extra["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk..."]}
+    config = build_config(
+        model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
+        prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,
+        score_batch_sizes=score_bs, state=state_entries(cfg, n_slots, act), targets=target_info,
+        parameters=first_irpa, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
+        eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra)
+    write_config(stage, config)
+    return {**config, "_timings": timings}

@@ -1,11 +1,16 @@
-"""The `dsv4` command. Subcommands import what they need lazily: the runtime ones work where only
-iree-base-runtime and numpy are installed; the eager/export ones need torch."""
+"""The `dsv4` command. Subcommands import what they need lazily: the runtime ones (generate, score)
+work where only the base install is present; eager/export/checkpoint need the `export` extra (torch),
+and say so when it is missing. Errors print one line (rc 2); Ctrl-C exits with rc 130."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from dsv4.export.cli import add_parser as add_export_parser
+
+from .commands import add_parsers as add_runtime_parsers
 
 
 def _ids(text: str) -> list[int]:
@@ -26,6 +31,9 @@ def cmd_eager(args: argparse.Namespace) -> int:
     from dsv4.model.model import Transformer, init_random
 
     tok = None
+    if args.preset and args.prompt is not None:
+        raise ValueError("--prompt needs a tokenizer and --preset models have none (random weights); "
+                         "pass --prompt-ids, or use --checkpoint")
     if args.preset:
         model = init_random(Transformer(ModelConfig.preset(args.preset), dtype=torch.bfloat16), seed=args.seed)
         what = f"preset {args.preset} (random weights, seed {args.seed})"
@@ -68,21 +76,28 @@ def main(argv: list[str] | None = None) -> int:
     src = e.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded small model)")
     src.add_argument("--preset", help="a ModelConfig preset with random weights (e.g. tiny)")
-    e.add_argument("--seed", type=int, default=0, help="random-weight seed (--preset)")
+    e.add_argument("--seed", type=int, default=0, help="random-weight seed for --preset (default: 0)")
     p_src = e.add_mutually_exclusive_group()
     p_src.add_argument("--prompt", help="prompt text (checkpoints with a tokenizer; default: the fixed prompt)")
     p_src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids")
-    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     e.set_defaults(fn=cmd_eager)
-    c = sub.add_parser("checkpoint", help="make a random-weight checkpoint in the official layout (checkpoint make -h)")
-    c.add_argument("action", choices=["make"])
-    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser("checkpoint", help="make a random-weight checkpoint in the official layout (checkpoint make -h)",
+                       description="Checkpoint tools. `dsv4 checkpoint make --preset tiny -o DIR` writes a random-"
+                                   "weight checkpoint in the official layout (FP8 + MXFP4); "
+                                   "`dsv4 checkpoint make --help` lists its options.")
+    c.add_argument("action", choices=["make"], help="make: write a checkpoint (see: dsv4 checkpoint make --help)")
+    c.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the action's options")
     c.set_defaults(fn=cmd_checkpoint)
-    __import__("dsv4.runtime.commands", fromlist=["add_parsers"]).add_parsers(sub)  # generate, score
-    __import__("runpy").run_path(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "export" / "cli.py"))["add_parser"](sub)  # export: loaded by path so torch/turbine load only when it runs
+    add_runtime_parsers(sub)  # generate, score
+    add_export_parser(sub)  # export (torch loads only when it runs)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"\ndsv4 {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     except ValueError as err:  # bad requests get one line, not a traceback
         print(f"dsv4 {args.cmd}: error: {err}", file=sys.stderr)
         return 2

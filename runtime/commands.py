@@ -28,7 +28,8 @@ def _fail(cmd: str, err: Exception) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt (text to stdout as it is produced, or one JSON object)."""
-    from .engine import Engine, EngineError, RequestError
+    from .engine import Engine
+    from .errors import EngineError, RequestError
     from .sampling import SamplingParams
 
     try:
@@ -74,14 +75,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         print(f"[{len(res.tokens)} tokens, stop: {res.stop_reason}, ttft {res.ttft_s * 1e3:.1f} ms"
-              + (f", {1.0 / res.tpot_s:.1f} tok/s" if res.tpot_s else "") + f", seed {res.seed}]",
+              + (f", {1.0 / res.tpot_s:.1f} tok/s" if res.tpot_s else "")
+              + ("" if params.greedy else f", seed {res.seed}") + "]",
               file=sys.stderr)
     return 0
 
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Per-token log-probabilities and perplexity of a text or id sequence."""
-    from .engine import Engine, EngineError, RequestError
+    from .engine import Engine
+    from .errors import EngineError, RequestError
 
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
@@ -106,33 +109,42 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("export_dir", metavar="OUT", help="export directory (config.json, model.irpa, vmfb)")
-    p.add_argument("--device", default="local-task", choices=["local-task", "local-sync", "cuda", "hip"])
-    p.add_argument("--device-index", type=int, default=0)
+    p.add_argument("--device", default="local-task", choices=["local-task", "local-sync", "cuda", "hip"],
+                   help="IREE driver: local-task/local-sync run the llvm-cpu vmfb, cuda the cuda one, hip the "
+                        "gfx942 one (default: local-task)")
+    p.add_argument("--device-index", type=int, default=0, help="which GPU (default: 0)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend bos to a text prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_parsers(subparsers: Any) -> None:
     """Register `generate` and `score` on the `dsv4` command's subparsers."""
-    g = subparsers.add_parser("generate", help="continue a prompt with a compiled export (torch-free)")
+    g = subparsers.add_parser("generate", help="continue a prompt with a compiled export (torch-free)",
+                              description="Continue a prompt with a compiled export: the text streams to stdout "
+                                          "as it is produced; a summary line (tokens, stop reason, timing) goes to "
+                                          "stderr. Greedy unless --temperature > 0.")
     _common(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the export's tokenizer)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as given")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (needs jinja2)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0 = off)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a fresh one, printed so the run can be repeated)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=cmd_generate)
 
-    s = subparsers.add_parser("score", help="log-probabilities and perplexity with a compiled export")
+    s = subparsers.add_parser("score", help="log-probabilities and perplexity with a compiled export",
+                              description="Per-token log-probabilities and the perplexity of a text, with the "
+                                          "export's score_bs1 entry point (exports made with --no-score, as "
+                                          "`make run`'s, lack it).")
     _common(s)
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text")
-    src.add_argument("--prompt-ids", type=_ids)
+    src.add_argument("--text", help="text to score (needs the export's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids to score")
     s.set_defaults(fn=cmd_score)

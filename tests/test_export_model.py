@@ -31,7 +31,7 @@ import torch
 import dsv4.export  # noqa: F401  (compat shim)
 from dsv4.export.compile import vmfb_executables
 from dsv4.export.exporter import ExportError, export_model
-from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
+from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.topk import record_topk, topk_impl, topk_reference
 from dsv4.model.model import Transformer, init_random
@@ -349,8 +349,8 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--target", "gfx9000", "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "stage 'load'" in err and "unknown compile target 'gfx9000'" in err
-    assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--batch-sizes", "0", "-o", str(tmp_path)]) == 1
+    assert "stage 'validate'" in err and "unknown compile target 'gfx9000'" in err
+    assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--batch-sizes", "0", "-o", str(tmp_path)]) == 2
     assert "export stage 'validate' failed: batch sizes must be integers >= 1" in capsys.readouterr().err
-    assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 1
+    assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 2
     assert "unknown kernel choice moe_experts=kernel" in capsys.readouterr().err

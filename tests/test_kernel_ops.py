@@ -16,7 +16,7 @@ from torch import nn
 
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import compile_mlir, vmfb_executables
-from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
+from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz

@@ -22,18 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4.runtime.engine import (
-    ArtifactError,
-    EngineError,
-    ExportConfig,
-    RequestError,
-    SlotAllocator,
-    StopMatcher,
-    pad_rows,
-    pick_batch_size,
-    target_for_device,
-)
-from dsv4.runtime.sampling import SamplingParams, make_rng, sample_token, sampling_distribution
+from dsv4.runtime import ArtifactError, EngineError, ExportConfig, RequestError, SamplingParams
+from dsv4.runtime.artifact import target_for_device
+from dsv4.runtime.batching import SlotAllocator, pad_rows, pick_batch_size
+from dsv4.runtime.sampling import make_rng, sample_token, sampling_distribution
+from dsv4.runtime.text import StopMatcher
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -304,6 +297,7 @@ _BLOCKER = textwrap.dedent("""
 def test_runtime_imports_without_torch_or_compiler() -> None:
     code = _BLOCKER + textwrap.dedent("""
         import dsv4.runtime.engine, dsv4.runtime.sampling, dsv4.runtime.commands, dsv4.runtime.cli
+        from dsv4.runtime import Engine, SamplingParams
         import iree.runtime
         from dsv4.runtime.cli import main
         try:
@@ -443,8 +437,10 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
     import torch
     from iree.turbine import aot
 
-    import dsv4.export  # noqa: F401  (compat shim)
+    from dsv4.export import compat
     from dsv4.export.compile import compile_mlir
+
+    compat.apply()
 
     out.mkdir(parents=True, exist_ok=True)
     model = _toy_module()
@@ -708,7 +704,7 @@ def test_toy_mismatched_artifacts(toy_export: Path, tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="lacks function.*decode_bs8"):
         Engine(d)
     (d / "model.llvm-cpu.vmfb").write_bytes(b"not a vmfb")
-    with pytest.raises(ArtifactError, match="cannot load model.llvm-cpu.vmfb"):
+    with pytest.raises(ArtifactError, match="model.llvm-cpu.vmfb: not a complete IREE module"):
         Engine(d)
 
 

@@ -1,0 +1,455 @@
+"""The export directory's contract, written by the exporter and read by the engine (torch-free).
+
+An export directory holds::
+
+    config.json               this contract (FORMAT/VERSION, model config, state, entry points, targets)
+    model.irpa                the weights (IREE parameter archive, scope PARAM_SCOPE)
+    model.<target>.vmfb       one compiled module per target (gfx942, llvm-cpu, cuda)
+    model.fnuz.irpa           (only when FP8 weights need a second flavour for gfx942)
+    tokenizer.json [+ tokenizer_config.json]   (checkpoints that have one)
+
+Entry points (all integers int64; the state tensors follow as arguments in ``state`` order and are
+updated in place): ``prefill_bs{N}``/``decode_bs{N}`` -> (logits f32[N,V], argmax i64[N]);
+``score_bs1`` -> logprobs f32[1,T]; ``export_id()`` -> the bytes of config.json's ``export_id``.
+
+The exporter builds the dict with `build_config` and writes it with `write_config`; the engine reads
+it with `ExportConfig.load`. `staged_export` builds a new export beside the output directory and
+moves it into place only when it is complete. `check_irpa` / `check_vmfb` look at a file's structure
+before IREE sees it, so a truncated download is named instead of crashing inside the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import uuid
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError, EngineError
+
+__all__ = [
+    "FORMAT", "VERSION", "PARAM_SCOPE", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES", "ENTRY_RESULTS",
+    "StateSpec", "ExportConfig", "target_for_device", "function_abi", "build_config", "write_config",
+    "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
+]
+
+FORMAT = "dsv4-iree-export"
+VERSION = 1
+PARAM_SCOPE = "model"  # the scope the exporter externalizes parameters under
+
+# compile target -> the IREE driver that runs its vmfb
+TARGET_DRIVERS: dict[str, str] = {"gfx942": "hip", "llvm-cpu": "local-task", "cuda": "cuda"}
+# device (IREE driver) -> the compile target whose vmfb it runs
+DEVICE_TARGETS: dict[str, str] = {"local-task": "llvm-cpu", "local-sync": "llvm-cpu", "cuda": "cuda", "hip": "gfx942"}
+
+# state dtype name -> (numpy storage dtype, HalElementType attribute name); bf16/fp8 are stored as
+# same-width integers on the host
+DTYPES: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "FLOAT_32"),
+    "float16": ("float16", "FLOAT_16"),
+    "bfloat16": ("uint16", "BFLOAT_16"),
+    "float8_e4m3fn": ("uint8", "FLOAT_8_E4M3_FN"),
+    "float8_e4m3fnuz": ("uint8", "FLOAT_8_E4M3_FNUZ"),
+    "float64": ("float64", "FLOAT_64"),
+    "int64": ("int64", "SINT_64"),
+    "int32": ("int32", "SINT_32"),
+    "int8": ("int8", "SINT_8"),
+    "uint8": ("uint8", "UINT_8"),
+}
+_DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "fp32": "float32",
+                  "fp16": "float16", "i64": "int64", "i32": "int32", "long": "int64",
+                  "float": "float32", "half": "float16", "fp8": "float8_e4m3fn"}
+
+STEP_ARGS = ("tokens", "start_pos", "lengths", "slots")
+ENTRY_RESULTS = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"]}
+
+
+def _dtype_name(s: str) -> str:
+    s = str(s).lower().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(s, s)
+
+
+def target_for_device(device: str) -> str:
+    """IREE driver name -> compile target; EngineError for a device this runtime does not know."""
+    try:
+        return DEVICE_TARGETS[device]
+    except KeyError:
+        raise EngineError(f"unknown device {device!r}; choose one of {', '.join(DEVICE_TARGETS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+
+def function_abi(kind: str, state_names: Sequence[str]) -> dict[str, list[str]]:
+    """config.json's description of one entry point of `kind` (prefill, decode, score)."""
+    return {"args": [*STEP_ARGS, *state_names], "results": list(ENTRY_RESULTS[kind])}
+
+
+def new_export_id() -> str:
+    return uuid.uuid4().hex
+
+
+def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: int, max_seq_len: int,
+                 prefill_batch_sizes: Sequence[int], min_tokens: int, max_tokens: int,
+                 decode_batch_sizes: Sequence[int], score_batch_sizes: Sequence[int],
+                 state: Sequence[Mapping[str, Any]], targets: Mapping[str, Mapping[str, Any]],
+                 parameters: str, tokenizer: str | None, bos_token_id: int | None,
+                 eos_token_ids: Sequence[int], export_id: str,
+                 extra_functions: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order."""
+    names = [s["name"] for s in state]
+    functions: dict[str, Any] = {}
+    for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
+                        ("score", score_batch_sizes)):
+        for n in sizes:
+            functions[f"{kind}_bs{n}"] = function_abi(kind, names)
+    functions.update(extra_functions or {})
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": dict(model),
+        "activation_dtype": activation_dtype,
+        "n_slots": int(n_slots),
+        "max_seq_len": int(max_seq_len),
+        "prefill": {"batch_sizes": list(prefill_batch_sizes), "min_tokens": int(min_tokens),
+                    "max_tokens": int(max_tokens)},
+        "decode": {"batch_sizes": list(decode_batch_sizes)},
+        "state": [dict(s) for s in state],
+        "functions": functions,
+        "targets": {k: dict(v) for k, v in targets.items()},
+        "parameters": parameters,
+        "tokenizer": tokenizer,
+        "bos_token_id": bos_token_id,
+        "eos_token_ids": list(eos_token_ids),
+        "export_id": export_id,
+    }
+
+
+def write_config(export_dir: str | Path, config: Mapping[str, Any]) -> Path:
+    """Validate `config` as the engine would read it, then write export_dir/config.json."""
+    d = Path(export_dir)
+    ExportConfig.from_dict(dict(config), d)
+    path = d / "config.json"
+    path.write_text(json.dumps(config, indent=1) + "\n")
+    return path
+
+
+def is_export_dir(path: str | Path) -> bool:
+    """True when `path` holds a config.json of this format (any version): safe to replace."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_out_dir(out_dir: str | Path, *, force: bool = False) -> None:
+    """ValueError when an export must not be written to `out_dir`: it is a file, or a non-empty
+    directory that is not a dsv4 export (unless `force`: then its contents will be replaced)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not is_export_dir(out) and not force:
+        raise ValueError(f"output directory {out} is not empty and is not a dsv4 export (no config.json of "
+                         f"format {FORMAT!r}); choose another -o, or pass --force to replace its contents")
+
+
+@contextlib.contextmanager
+def staged_export(out_dir: str | Path, *, force: bool = False) -> Iterator[Path]:
+    """Yield an empty directory beside `out_dir` to build an export in; when the block succeeds,
+    it replaces `out_dir` (files made readable as the umask allows, e.g. 0644); when it raises,
+    it is deleted and `out_dir` stays as it was. Checks `out_dir` first (`check_out_dir`)."""
+    check_out_dir(out_dir, force=force)
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    stage = out.parent / f".{out.name}.building-{tag}"
+    stage.mkdir()
+    try:
+        yield stage
+        mask = _umask()
+        stage.chmod(0o777 & ~mask)
+        for f in stage.iterdir():
+            if f.is_file():
+                f.chmod(0o666 & ~mask)
+        old = out.parent / f".{out.name}.old-{tag}"
+        if out.exists():
+            out.rename(old)
+        try:
+            stage.rename(out)
+        except OSError:
+            if old.exists():
+                old.rename(out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# structural checks of the binary files
+# --------------------------------------------------------------------------------------------
+
+_IRPA_MAGIC = 0x41505249  # b"IRPA" little-endian
+_IRPA_HEADER = struct.Struct("<IHHQQQQ" + "QQ" * 3)  # prefix, entry_count, 3 segments (88 bytes)
+_IRPA_ENTRY = struct.Struct("<QIQQQQQQ")  # entry_size, type, flags, name, metadata, alignment (60)
+_IRPA_DATA = 2
+
+
+def check_irpa(path: str | Path) -> int:
+    """Check that `path` is a complete IREE parameter archive (header, entry table, and every data
+    entry inside the file); returns the number of entries. ArtifactError naming the file otherwise."""
+    p = Path(path)
+
+    def bad(msg: str) -> ArtifactError:
+        return ArtifactError(f"{p}: {msg} (re-export or re-download it)")
+
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(_IRPA_HEADER.size)
+            if len(head) < _IRPA_HEADER.size:
+                raise bad(f"not an IREE parameter archive ({size} bytes, too short for its header)")
+            (magic, major, _minor, _hsize, _next, _flags, count, e_off, e_len, m_off, m_len,
+             s_off, s_len) = _IRPA_HEADER.unpack(head)
+            if magic != _IRPA_MAGIC:
+                raise bad("not an IREE parameter archive (no IRPA magic)")
+            if major != 0:
+                raise bad(f"parameter archive version {major} is not supported (this runtime reads 0)")
+            for name, off, ln in (("entry", e_off, e_len), ("metadata", m_off, m_len), ("storage", s_off, s_len)):
+                if off + ln > size:
+                    raise bad(f"truncated: the {name} segment ends at byte {off + ln}, the file has {size}")
+            f.seek(e_off)
+            table = f.read(e_len)
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read: {e.strerror or e}") from None
+    at = 0
+    for i in range(count):
+        if at + _IRPA_ENTRY.size > len(table):
+            raise bad(f"entry table holds fewer than its {count} entries")
+        esize, etype, _f, n_off, n_len, md_off, md_len, _al = _IRPA_ENTRY.unpack_from(table, at)
+        if n_off + n_len > m_len or md_off + md_len > m_len or esize < _IRPA_ENTRY.size:
+            raise bad(f"entry {i} is malformed")
+        if etype == _IRPA_DATA:
+            st_off, st_len = struct.unpack_from("<QQ", table, at + _IRPA_ENTRY.size)
+            if st_off + st_len > s_len:
+                raise bad(f"truncated: entry {i}'s data ends at byte {s_off + st_off + st_len}, the file has {size}")
+        at += (esize + 15) // 16 * 16
+    return count
+
+
+def check_vmfb(path: str | Path) -> None:
+    """Check that `path` is a complete vmfb container (a zip whose members all lie inside the file)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size == 0:
+            raise ArtifactError(f"{p}: empty file (re-export or re-download it)")
+        with zipfile.ZipFile(p) as z:
+            names = z.namelist()
+            ends = [i.header_offset + i.compress_size for i in z.infolist()]
+    except zipfile.BadZipFile:
+        raise ArtifactError(f"{p}: not a complete IREE module (vmfb); truncated or corrupt "
+                            "(re-export or re-download it)") from None
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read: {e.strerror or e}") from None
+    if "module.fb" not in names or (ends and max(ends) > size):
+        raise ArtifactError(f"{p}: not a complete IREE module (vmfb) (re-export or re-download it)")
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state tensor: dim 0 is the slot."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # canonical name, a key of DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return int(np.prod(self.shape)) * np.dtype(DTYPES[self.dtype][0]).itemsize
+
+
+def _need(cond: bool, path: Path, msg: str) -> None:
+    if not cond:
+        raise ArtifactError(f"{path}: {msg}")
+
+
+def _pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """config.json of an export directory, validated (every failure names the file and field)."""
+
+    directory: Path
+    raw: dict
+    model: dict
+    vocab_size: int
+    max_seq_len: int
+    n_slots: int
+    prefill_batch_sizes: tuple[int, ...]
+    prefill_min_tokens: int
+    prefill_max_tokens: int
+    decode_batch_sizes: tuple[int, ...]
+    state: tuple[StateSpec, ...]
+    functions: dict
+    targets: dict
+    parameters: Path
+    tokenizer: Path | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    export_id: str | None
+
+    @classmethod
+    def load(cls, export_dir: str | Path) -> "ExportConfig":
+        """Read and validate ``export_dir/config.json`` (files it names must exist)."""
+        d = Path(export_dir)
+        if not d.is_dir():
+            raise ArtifactError(f"export directory {d} does not exist")
+        p = d / "config.json"
+        try:
+            raw = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ArtifactError(f"{d} has no config.json (not a dsv4 export directory)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{p} is not valid JSON ({e}); re-export it") from None
+        cfg = cls.from_dict(raw, d)
+        for f in (cfg.parameters, cfg.tokenizer):
+            if f is not None:
+                _need(f.is_file(), p, f"{f.name} is missing from {d}")
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: dict, directory: str | Path) -> "ExportConfig":
+        """Validate a config dict (no file checks: the writer validates before its files exist)."""
+        d = Path(directory)
+        p = d / "config.json"
+        _need(isinstance(raw, dict), p, "top level must be an object")
+        _need(raw.get("format") == FORMAT, p, f"format: expected {FORMAT!r}, got {raw.get('format')!r}")
+        _need(raw.get("version") == VERSION, p,
+              f"version: this runtime reads version {VERSION}, got {raw.get('version')!r}")
+        missing = [k for k in ("model", "n_slots", "max_seq_len", "prefill", "decode", "state",
+                               "functions", "targets", "parameters") if k not in raw]
+        _need(not missing, p, f"missing field(s): {', '.join(missing)}")
+        model = raw["model"]
+        _need(isinstance(model, dict), p, "model: must be an object")
+        vocab = model.get("vocab_size")
+        _need(_pos_int(vocab), p, f"model.vocab_size: must be a positive integer, got {vocab!r}")
+        for k in ("n_slots", "max_seq_len"):
+            _need(_pos_int(raw[k]), p, f"{k}: must be a positive integer, got {raw[k]!r}")
+
+        pre, dec = raw["prefill"], raw["decode"]
+        _need(isinstance(pre, dict) and isinstance(dec, dict), p, "prefill/decode: must be objects")
+        pbs, dbs = pre.get("batch_sizes"), dec.get("batch_sizes")
+        for name, bs in (("prefill", pbs), ("decode", dbs)):
+            _need(isinstance(bs, list) and bs and all(_pos_int(b) for b in bs), p,
+                  f"{name}.batch_sizes: must be a non-empty list of positive integers, got {bs!r}")
+            _need(min(bs) <= raw["n_slots"], p,
+                  f"{name}.batch_sizes: smallest ({min(bs)}) exceeds n_slots ({raw['n_slots']})")
+        tmin, tmax = pre.get("min_tokens"), pre.get("max_tokens")
+        _need(_pos_int(tmin) and _pos_int(tmax) and tmin <= tmax, p,
+              f"prefill.min_tokens/max_tokens: need 0 < min <= max, got {tmin!r}/{tmax!r}")
+
+        st = raw["state"]
+        _need(isinstance(st, list) and st, p, "state: must be a non-empty list")
+        specs = []
+        for i, s in enumerate(st):
+            _need(isinstance(s, dict) and {"name", "shape", "dtype"} <= set(s), p,
+                  f"state[{i}]: needs name, shape, dtype")
+            dt = _dtype_name(s["dtype"])
+            _need(dt in DTYPES, p, f"state[{i}] ({s['name']}): unsupported dtype {s['dtype']!r}")
+            shape = s["shape"]
+            _need(isinstance(shape, list) and shape and all(_pos_int(x) for x in shape), p,
+                  f"state[{i}] ({s['name']}): shape must be a list of positive integers, got {shape!r}")
+            _need(shape[0] == raw["n_slots"], p,
+                  f"state[{i}] ({s['name']}): dim 0 is {shape[0]}, expected n_slots = {raw['n_slots']}")
+            specs.append(StateSpec(str(s["name"]), tuple(int(x) for x in shape), dt))
+
+        fns = raw["functions"]
+        _need(isinstance(fns, dict), p, "functions: must be an object")
+        want = [f"prefill_bs{b}" for b in pbs] + [f"decode_bs{b}" for b in dbs]
+        absent = [f for f in want if f not in fns]
+        _need(not absent, p, f"functions: batch sizes listed but functions missing: {', '.join(absent)}")
+        for name, f in fns.items():
+            _need(isinstance(f, dict) and isinstance(f.get("args", []), list), p,
+                  f"functions.{name}: must be an object with an args list")
+            args = f.get("args")
+            if args is not None:
+                _need(len(args) == len(STEP_ARGS) + len(specs), p,
+                      f"functions.{name}: {len(args)} args, expected {len(STEP_ARGS)} + {len(specs)} state tensors")
+
+        targets = raw["targets"]
+        _need(isinstance(targets, dict) and targets, p, "targets: must be a non-empty object")
+        for t, info in targets.items():
+            _need(isinstance(info, dict) and isinstance(info.get("vmfb"), str), p,
+                  f"targets.{t}: needs a vmfb file name")
+
+        tok = raw.get("tokenizer")
+        eos = raw.get("eos_token_ids", model.get("eos_token_id"))
+        if eos is None:
+            eos = []
+        eos = [eos] if isinstance(eos, int) else list(eos)
+        _need(all(isinstance(e, int) and 0 <= e < vocab for e in eos), p,
+              f"eos_token_ids: must be token ids below vocab_size {vocab}, got {eos!r}")
+        bos = raw.get("bos_token_id", model.get("bos_token_id"))
+        _need(bos is None or (isinstance(bos, int) and 0 <= bos < vocab), p,
+              f"bos_token_id: must be a token id below vocab_size {vocab}, got {bos!r}")
+        eid = raw.get("export_id")
+        return cls(
+            directory=d, raw=raw, model=model, vocab_size=int(vocab), max_seq_len=int(raw["max_seq_len"]),
+            n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
+            prefill_min_tokens=int(tmin), prefill_max_tokens=int(tmax),
+            decode_batch_sizes=tuple(sorted(set(dbs))), state=tuple(specs), functions=fns,
+            targets=targets, parameters=d / str(raw["parameters"]), tokenizer=d / str(tok) if tok else None,
+            bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
+        )
+
+    def parameters_for(self, target: str) -> Path:
+        """The .irpa a target's vmfb reads: its own (e.g. fnuz FP8 weights for gfx942) or the shared one."""
+        own = (self.targets.get(target) or {}).get("parameters")
+        if own is None:
+            return self.parameters
+        path = self.directory / str(own)
+        if not path.is_file():
+            raise ArtifactError(f"{self.directory}: {own} (parameters of target {target}) is missing")
+        return path
+
+    def vmfb_path(self, target: str) -> Path:
+        """The vmfb compiled for ``target``; ArtifactError when that target was not exported."""
+        info = self.targets.get(target)
+        if info is None:
+            raise ArtifactError(f"{self.directory}: no {target} module in this export "
+                                f"(exported targets: {', '.join(sorted(self.targets))})")
+        path = self.directory / info["vmfb"]
+        if not path.is_file():
+            raise ArtifactError(f"{self.directory}: {info['vmfb']} (target {target}) is missing")
+        return path
+
+    def has_function(self, name: str) -> bool:
+        return name in self.functions
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.state)

@@ -1,0 +1,141 @@
+"""The one place that opens the IREE runtime: a vmfb (+ .irpa parameters) on one device.
+
+Torch-free (numpy + iree.runtime). Two runtime traps handled here (iree-notes §3/§6):
+
+* local-task worker threads have 128 KiB stacks; kernels compiled with the 1 MiB
+  ``--iree-llvmcpu-stack-allocation-limit`` (top-k over bounded dynamic dims) crash the process
+  (rc 139, no Python trace) unless ``--task_worker_stack_size`` is raised. The flag is read when
+  the local-task driver is created and iree.runtime caches drivers per process, so it must be
+  parsed before the first local-task device in the process (including turbine's eager CustomOp
+  path): `ensure_runtime_flags()` does that once, and `IreeModule` calls it.
+* State (KV caches) must be passed as device arrays (`IreeModule.device_array` / `zeros`): a
+  numpy argument is copied in, so in-place updates made by the module would be invisible.
+
+Both files are checked structurally first (`artifact.check_vmfb` / `check_irpa`), so a truncated
+or corrupt artifact is reported by name rather than failing inside IREE.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .artifact import DTYPES, PARAM_SCOPE, StateSpec, check_irpa, check_vmfb
+from .errors import ArtifactError, EngineError
+
+__all__ = ["IreeModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
+
+TASK_WORKER_STACK_SIZE = 1 << 20
+_flags_parsed = False
+
+
+def ensure_runtime_flags(stack_size: int = TASK_WORKER_STACK_SIZE) -> None:
+    """Parse the process-wide runtime flags once (must precede the first local-task device)."""
+    global _flags_parsed
+    if not _flags_parsed:
+        import iree.runtime as rt
+
+        rt.flags.parse_flags(f"--task_worker_stack_size={int(stack_size)}")
+        _flags_parsed = True
+
+
+class IreeModule:
+    """A vmfb loaded in its own VmContext on one device, with optional parameter archives.
+
+    ``m("decode_bs1", tokens, ..., *state)`` returns numpy arrays (a tuple for several results);
+    device-array arguments are used in place. `function(name)` gives the raw invoker (device-array
+    results, no host copy). Raises EngineError when the device is unavailable and ArtifactError
+    when a file is missing, truncated or not loadable."""
+
+    def __init__(self, vmfb: str | Path, parameters: str | Path | Sequence[str | Path] | None = None, *,
+                 driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE):
+        import iree.runtime as rt
+
+        self._rt = rt
+        vmfb = Path(vmfb)
+        paths = [] if parameters is None else (
+            [Path(parameters)] if isinstance(parameters, (str, Path)) else [Path(p) for p in parameters])
+        check_vmfb(vmfb)
+        for p in paths:
+            check_irpa(p)
+        if driver.startswith("local"):
+            ensure_runtime_flags()
+        uri = driver if driver.startswith("local") else f"{driver}://{int(device_index)}"
+        try:
+            self.device = rt.get_device(uri)
+            self.config = rt.Config(device=self.device)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise EngineError(f"device {uri!r} is not available: {e}") from None
+        inst = self.config.vm_instance
+        try:
+            modules = [rt.create_hal_module(inst, self.device)]
+            if paths:
+                self.param_index = rt.ParameterIndex()
+                for p in paths:
+                    self.param_index.load(str(p))  # mmap; never read into Python memory
+                modules.append(rt.create_io_parameters_module(
+                    inst, self.param_index.create_provider(scope=param_scope)))
+            self.vm_module = rt.VmModule.mmap(inst, str(vmfb))
+            modules.append(self.vm_module)
+            self.context = rt.VmContext(inst, modules=modules)
+        except (RuntimeError, ValueError, OSError) as e:
+            names = " with ".join([vmfb.name, *(p.name for p in paths)])
+            raise ArtifactError(f"cannot load {names}: {e}") from None
+        self.vmfb_path = vmfb
+        self._invokers: dict[str, Any] = {}
+
+    @property
+    def function_names(self) -> list[str]:
+        return [n for n in self.vm_module.function_names if not n.endswith("$async") and n != "__init"]
+
+    def function(self, name: str) -> Any:
+        """The invoker of `name` (results stay device arrays)."""
+        inv = self._invokers.get(name)
+        if inv is None:
+            fn = self.vm_module.lookup_function(name)
+            if fn is None:
+                raise ArtifactError(f"{self.vmfb_path.name} has no function {name} (have {self.function_names})")
+            inv = self._invokers[name] = self._rt.FunctionInvoker(self.context, self.device, fn)
+        return inv
+
+    def device_array(self, host: np.ndarray) -> Any:
+        """Copy ``host`` to the device once; pass the result as mutable state (e.g. a KV cache)."""
+        return self._rt.asdevicearray(self.device, np.ascontiguousarray(host))
+
+    def zeros(self, spec: StateSpec) -> Any:
+        """A zero-filled device array for one state tensor, with its exact element type (bf16/fp8
+        included, which ``asdevicearray`` cannot express)."""
+        storage, et = DTYPES[spec.dtype]
+        host = np.zeros(spec.shape, dtype=storage)
+        rt = self._rt
+        bv = self.device.allocator.allocate_buffer_copy(
+            memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
+            device=self.device, buffer=host, element_type=getattr(rt.HalElementType, et))
+        return rt.DeviceArray(self.device, bv, override_dtype=host.dtype)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Invoke ``name``; numpy results (a tuple when the function returns several)."""
+        res = self.function(name)(*args)
+        if isinstance(res, (tuple, list)):
+            return tuple(_to_host(r) for r in res)
+        return _to_host(res)
+
+    __call__ = call
+
+    def read_export_id(self) -> str | None:
+        """The id the exporter baked into the vmfb (``export_id()``: the bytes of a string), or None."""
+        if "export_id" not in self.vm_module.function_names:
+            return None
+        res = self.call("export_id")
+        a = np.asarray(res[0] if isinstance(res, tuple) else res)
+        if a.dtype.kind in "iu" and a.ndim == 1 and a.size > 1 and a.min() >= 0 and a.max() < 256:
+            return bytes(a.astype(np.uint8)).rstrip(b"\0").decode("utf-8", "replace")
+        if a.size == 1:
+            return str(a.reshape(()).item())
+        return ",".join(str(int(x)) for x in a.reshape(-1))
+
+
+def _to_host(x: Any) -> Any:
+    return x.to_host() if hasattr(x, "to_host") else x
