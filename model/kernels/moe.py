@@ -141,11 +141,13 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     G = grouped_blocks(P, E, block)
     b = torch.arange(G, device=x.device)
     sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
-    xs = x.new_zeros(G * block, d).index_put((dest,), x[tok])
-    ws = wp.new_zeros(G * block).index_put((dest,), wp)
-    out = _expert_rows(xs.view(G, block, d), ws.view(G, block), sel, w1, s1, w2, s2, w3, s3, limit)
+    # (block, row in block) of each pair; 2-D indices keep a symbolic G free of reshape guards
+    at = (dest // block, dest % block)
+    xs = x.new_zeros(G, block, d).index_put(at, x[tok])
+    ws = wp.new_zeros(G, block).index_put(at, wp)
+    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
     y = torch.zeros(N, d, dtype=torch.float32, device=x.device)
-    return y.index_add(0, tok, out.view(G * block, d)[dest])
+    return y.index_add(0, tok, out[at])
 
 
 def routed_moe():
