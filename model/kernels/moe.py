@@ -57,7 +57,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
 # routed form: only the selected experts' (packed) weights are gathered, every row runs its own
 # experts. Export installs it for the `moe_experts` hook (routed_moe()); eager keeps the reference.
 
-GROUP_BLOCK = 16  # rows per block of the grouped path: one expert's weights serve Mb token slots
+# Rows per block of the grouped path (one gathered expert serves Mb token slots). A static pair
+# count (decode batches) is bandwidth bound: big blocks, fewer expert reads (bs64 Flash: 264 vs 256
+# experts). A traced one (prefill, T dynamic) is compute bound: small blocks keep the padded rows
+# (<= E*Mb) small; 4 keeps Flash within 1.5x of the routed FLOPs from a 512-token chunk at batch 1
+# (bench/moe_bytes.py prints both tables).
+GROUP_BLOCK = 16
+GROUP_BLOCK_TRACED = 4
 
 
 def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -66,8 +72,8 @@ def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.T
     token that lists an expert twice is one expert application, bit for bit the reference."""
     same = indices[:, :, None] == indices[:, None, :]  # [N,k,k]
     k = indices.shape[1]
-    earlier = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril(-1)  # [j, j'<j]
-    first = ~(same & earlier).any(-1)
+    earlier = torch.ones(k, k, dtype=torch.int64, device=indices.device).tril(-1)  # [j, j'<j]
+    first = (same.to(torch.int64) * earlier).sum(-1) == 0  # integer math: a bool `&` does not lower
     return torch.where(first, (weights[:, None, :] * same).sum(-1), torch.zeros((), dtype=weights.dtype))
 
 
@@ -106,7 +112,7 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
-                       block: int = GROUP_BLOCK) -> torch.Tensor:
+                       block: int | None = None) -> torch.Tensor:
     """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
 
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
@@ -115,17 +121,19 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (one-hot +
         cumsum, no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows. Rows <= P + min(E,P)*(block-1): within 1.5x of routed FLOPs once
-        P >= 2*E*(block-1).
+        multiplies `block` rows (default GROUP_BLOCK for a static P, GROUP_BLOCK_TRACED for a traced
+        one). Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
     E, d = w1.shape[0], x.shape[-1]
     if weights.shape != indices.shape or x.shape[0] != N:
         raise ValueError(f"moe_experts_routed: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
                          f"indices {tuple(indices.shape)} disagree")
+    P = N * k
+    if block is None:
+        block = GROUP_BLOCK if isinstance(P, int) else GROUP_BLOCK_TRACED
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
-    P = N * k
     e = indices.reshape(-1)
     wp = merged_slot_weights(weights, indices).reshape(-1)
     tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
@@ -146,8 +154,9 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     xs = x.new_zeros(G, block, d).index_put(at, x[tok])
     ws = wp.new_zeros(G, block).index_put(at, wp)
     out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
-    y = torch.zeros(N, d, dtype=torch.float32, device=x.device)
-    return y.index_add(0, tok, out[at])
+    # pairs are token-major, so each token's k results are a gather and a sum (no scatter-add:
+    # aten.index_add does not lower in torch-mlir)
+    return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
 
 
 def routed_moe():
