@@ -249,9 +249,10 @@ def _two_layer_fp4_model() -> Transformer:
 @pytest.mark.slow
 def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     """Export (llvm-cpu) a 2-layer model with MXFP4 experts: export goes through the routed MoE in
-    every program (prefill: grouped, T dynamic; decode bs1/bs4: one expert per slot; decode bs8:
+    every program (prefill: grouped, T dynamic; decode bs1: one expert per slot; decode bs8:
     grouped, static), and the compiled module equals eager (the all-experts reference) on a
-    prefill with a length-0 row, a decode batch with padding rows and a single decode."""
+    prefill with a length-0 row, a decode batch with padding rows and a single decode. About 6
+    minutes on the shared 2-core box (3 traced programs + llvm-cpu compile)."""
     from dsv4.export.exporter import export_model
     from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
     from dsv4.model.kernels import moe as moe_mod
@@ -268,8 +269,8 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     model = _two_layer_fp4_model()
     cfg = model.cfg
     res = export_model(model, cfg, tmp_path, targets=("llvm-cpu",), batch_sizes=(2,), max_chunk=32, n_slots=8,
-                       decode_batch_sizes=(1, 4, 8), score=False)
-    assert len(calls) == 4 * cfg.n_layers, calls  # 4 programs x the backbone's MoE layers
+                       decode_batch_sizes=(1, 8), score=False)
+    assert len(calls) == 3 * cfg.n_layers, calls  # 3 programs x the backbone's MoE layers
     ensure_runtime_flags()
     c = res.config
     mod = IreeModule(tmp_path / c["targets"]["llvm-cpu"]["vmfb"], tmp_path / c["parameters"])
@@ -291,8 +292,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     step("prefill_bs2", rng.integers(0, cfg.vocab_size, (2, 9)), [23, 0], [9, 7], [1, 0], [0, 1])
     step("decode_bs8", rng.integers(0, cfg.vocab_size, (8, 1)), [32, 7] + [0] * 6, [1, 1, 0, 1, 1, 0, 1, 1],
          [1, 0, 2, 3, 4, 5, 6, 7], [0, 1, 3, 4, 6, 7])
-    step("decode_bs4", rng.integers(0, cfg.vocab_size, (4, 1)), [33, 8, 1, 1], [1, 1, 1, 0], [1, 0, 3, 4], [0, 1, 2])
-    step("decode_bs1", rng.integers(0, cfg.vocab_size, (1, 1)), [34], [1], [1], [0])
+    step("decode_bs1", rng.integers(0, cfg.vocab_size, (1, 1)), [33], [1], [1], [0])
     print(f"compiled vs eager: max |logit diff| {worst:.3g}")
 
 
