@@ -2,12 +2,15 @@
 
 Reference semantics: every token runs its top-k experts; g = w1 x, u = w3 x in fp32, clamped
 (g <= L, |u| <= L), a = silu(g) * u * weight, out = w2(a in the activation dtype), summed in fp32.
-This reference evaluates every expert on every token and zeroes the unrouted ones, which keeps the
-graph static for export (a kernel replaces it with token-sorted grouped GEMMs); the result for a
-routed token is the same as running only its experts.
+This reference evaluates every expert on every token and zeroes the unrouted ones (what eager runs);
+the result for a routed token is the same as running only its experts. `moe_experts_routed` below
+is that: only the selected experts' packed weights are gathered and dequantized, one per slot
+(decode) or in expert-grouped blocks (prefill); export installs it for the hook (`routed_moe`).
 """
 
 from __future__ import annotations
+
+from typing import ContextManager
 
 import torch
 
@@ -159,6 +162,6 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
 
 
-def routed_moe():
+def routed_moe() -> ContextManager[None]:
     """Context: the `moe_experts` hook runs `moe_experts_routed` (what export installs by default)."""
     return overrides({"moe_experts": moe_experts_routed})
