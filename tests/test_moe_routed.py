@@ -251,7 +251,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     """Export (llvm-cpu) a 2-layer model with MXFP4 experts: export goes through the routed MoE in
     every program (prefill: grouped, T dynamic; decode bs1: one expert per slot; decode bs8:
     grouped, static), and the compiled module equals eager (the all-experts reference) on a
-    prefill with a length-0 row, a decode batch with padding rows and a single decode. About 6
+    prefill with a length-0 row, a decode batch with padding rows and a single decode. About 3-6
     minutes on the shared 2-core box (3 traced programs + llvm-cpu compile)."""
     from dsv4.export.exporter import export_model
     from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
