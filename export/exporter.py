@@ -24,7 +24,9 @@ refused unless ``force``.
 Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with externalized
 parameters (one .irpa shared by all entry points), strict=False tracing, every top-k as an argmax
 chain while tracing (IREE 3.13 returns wrong top-k indices in multi-layer dynamic graphs,
-iree-notes §6 bug 6), and ``import_symbolic_shape_expressions=False`` because the compressor's
+iree-notes §6 bug 6), the routed MoE (model/kernels/moe.py `moe_experts_routed`: only the selected
+experts' weights, grouped by expert without sort/topk) for the `moe_experts` hook unless `kernels`
+names it, and ``import_symbolic_shape_expressions=False`` because the compressor's
 ``T // ratio`` is a FloorDiv the importer cannot translate (the argmax chain needs no bounds).
 FP8 weights are e4m3fn for llvm-cpu/cuda and e4m3fnuz (formats.fp8_fn_to_fnuz) for gfx942; when
 both kinds of targets are asked for, the fnuz targets get their own MLIR and .irpa.
@@ -291,9 +293,12 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
     if probe_topk:
         programs.append(("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn))
 
+    from dsv4.model.kernels.moe import routed_moe
+
     from .model_kernels import use_kernels
 
-    with torch.no_grad(), topk_impl("argmax"), use_kernels(kernels), _no_stack_traces():
+    # routed MoE by default (only the selected experts' packed weights); `kernels` may override it
+    with torch.no_grad(), topk_impl("argmax"), routed_moe(), use_kernels(kernels), _no_stack_traces():
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:

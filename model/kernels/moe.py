@@ -2,16 +2,20 @@
 
 Reference semantics: every token runs its top-k experts; g = w1 x, u = w3 x in fp32, clamped
 (g <= L, |u| <= L), a = silu(g) * u * weight, out = w2(a in the activation dtype), summed in fp32.
-This reference evaluates every expert on every token and zeroes the unrouted ones, which keeps the
-graph static for export (a kernel replaces it with token-sorted grouped GEMMs); the result for a
-routed token is the same as running only its experts.
+This reference evaluates every expert on every token and zeroes the unrouted ones (what eager runs);
+the result for a routed token is the same as running only its experts. `moe_experts_routed` below
+is that: only the selected experts' packed weights are gathered and dequantized, one per slot
+(decode) or in expert-grouped blocks (prefill); export installs it for the hook (`routed_moe`).
 """
 
 from __future__ import annotations
 
+from typing import ContextManager
+
 import torch
 
-from . import hookable
+from ..formats import FP8_FORMATS
+from . import hookable, overrides
 from .linear import stacked_linear
 
 
@@ -50,3 +54,114 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
         a = swiglu(g, u, limit) * we
         y = y + stacked_linear(a.to(x.dtype), w2[e0:e1], _group(s2, e0, e1)).float().sum(0)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# routed form: only the selected experts' (packed) weights are gathered, every row runs its own
+# experts. Export installs it for the `moe_experts` hook (routed_moe()); eager keeps the reference.
+
+# Rows per block of the grouped path (one gathered expert serves Mb token slots). A static pair
+# count (decode batches) is bandwidth bound: big blocks, fewer expert reads (bs64 Flash: 264 vs 256
+# experts). A traced one (prefill, T dynamic) is compute bound: small blocks keep the padded rows
+# (<= E*Mb) small; 4 keeps Flash within 1.5x of the routed FLOPs from a 512-token chunk at batch 1
+# (bench/moe_bytes.py prints both tables).
+GROUP_BLOCK = 16
+GROUP_BLOCK_TRACED = 4
+
+
+def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[N,k] routing weights with repeated experts of one token merged into the first slot naming
+    that expert (the later slots get 0), summed in slot order exactly as the reference does, so a
+    token that lists an expert twice is one expert application, bit for bit the reference."""
+    same = indices[:, :, None] == indices[:, None, :]  # [N,k,k]
+    k = indices.shape[1]
+    earlier = torch.ones(k, k, dtype=torch.int64, device=indices.device).tril(-1)  # [j, j'<j]
+    first = (same.to(torch.int64) * earlier).sum(-1) == 0  # integer math: a bool `&` does not lower
+    return torch.where(first, (weights[:, None, :] * same).sum(-1), torch.zeros((), dtype=weights.dtype))
+
+
+def _take(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
+    """t[sel] along the expert dim; FP8 bytes move as uint8 (a gather is data movement only)."""
+    if t is None:
+        return None
+    if t.dtype in FP8_FORMATS:
+        return t.view(torch.uint8).index_select(0, sel).view(t.dtype)
+    return t.index_select(0, sel)
+
+
+def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, w2, s2, w3, s3,
+                 limit: float) -> torch.Tensor:
+    """xs [G,M,d] rows, ws [G,M] routing weights, sel [G] the expert of each group -> fp32 [G,M,d].
+
+    Same numerics per row as the reference (stacked_linear per expert, fp32 clamped SwiGLU, weight
+    applied before w2, w2's input in the activation dtype); only sel's weights are read/dequantized."""
+    g = stacked_linear(xs, _take(w1, sel), _take(s1, sel))
+    u = stacked_linear(xs, _take(w3, sel), _take(s3, sel))
+    a = swiglu(g, u, limit) * ws[..., None]
+    return stacked_linear(a.to(xs.dtype), _take(w2, sel), _take(s2, sel)).float()
+
+
+def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
+    """Static upper bound on the Mb-row blocks that hold n_pairs (token, slot) pairs grouped by
+    expert, each expert's group padded to a multiple of Mb: sum_e ceil(c_e/Mb) <= m + (P - m) // Mb
+    with m = min(E, P) groups (one more non-empty group adds at most one block). A traced (symbolic)
+    pair count gets E + P // Mb, valid for every P."""
+    if isinstance(n_pairs, int):
+        m = min(n_experts, n_pairs)
+        return m + (n_pairs - m) // block
+    return n_experts + n_pairs // block
+
+
+def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                       w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
+                       w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
+                       block: int | None = None) -> torch.Tensor:
+    """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
+
+    Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
+      * P static and P <= E (decode): each pair gathers its expert's packed weights (P expert
+        reads, P rows: exactly the routed FLOPs);
+      * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (one-hot +
+        cumsum, no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
+        a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
+        multiplies `block` rows (default GROUP_BLOCK for a static P, GROUP_BLOCK_TRACED for a traced
+        one). Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
+    Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
+    N, k = indices.shape
+    E, d = w1.shape[0], x.shape[-1]
+    if weights.shape != indices.shape or x.shape[0] != N:
+        raise ValueError(f"moe_experts_routed: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
+                         f"indices {tuple(indices.shape)} disagree")
+    P = N * k
+    if block is None:
+        block = GROUP_BLOCK if isinstance(P, int) else GROUP_BLOCK_TRACED
+    if block < 1:
+        raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
+    e = indices.reshape(-1)
+    wp = merged_slot_weights(weights, indices).reshape(-1)
+    tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
+    if isinstance(P, int) and P <= E:
+        out = _expert_rows(x[tok][:, None, :], wp[:, None], e, w1, s1, w2, s2, w3, s3, limit)
+        return out.view(N, k, d).sum(1)
+    onehot = (e[:, None] == torch.arange(E, device=x.device)[None, :]).to(torch.int64)  # [P,E]
+    count = onehot.sum(0)
+    rank = onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1  # position of the pair in its expert's group
+    nblk = (count + block - 1) // block
+    blk_end = nblk.cumsum(0)
+    dest = (blk_end - nblk)[e] * block + rank  # row of each pair in the padded buffer, all distinct
+    G = grouped_blocks(P, E, block)
+    b = torch.arange(G, device=x.device)
+    sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
+    # (block, row in block) of each pair; 2-D indices keep a symbolic G free of reshape guards
+    at = (dest // block, dest % block)
+    xs = x.new_zeros(G, block, d).index_put(at, x[tok])
+    ws = wp.new_zeros(G, block).index_put(at, wp)
+    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
+    # pairs are token-major, so each token's k results are a gather and a sum (no scatter-add:
+    # aten.index_add does not lower in torch-mlir)
+    return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
+
+
+def routed_moe() -> ContextManager[None]:
+    """Context: the `moe_experts` hook runs `moe_experts_routed` (what export installs by default)."""
+    return overrides({"moe_experts": moe_experts_routed})
