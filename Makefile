@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[export,test]'
+	$(BIN)/pip install -q -e '.[export,test,serve]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_checkpoint)
     __import__("dsv4.runtime.commands", fromlist=["add_parsers"]).add_parsers(sub)  # generate, score
+    __import__("dsv4.runtime.serve_cli", fromlist=["add_parsers"]).add_parsers(sub)  # serve, bench serve
     __import__("runpy").run_path(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "export" / "cli.py"))["add_parser"](sub)  # export: loaded by path so torch/turbine load only when it runs
     args = p.parse_args(argv)
     try:
