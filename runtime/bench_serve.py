@@ -148,7 +148,7 @@ async def _level(base: str, model: str, concurrency: int, n: int, prompts: list[
         errors=[r.error for r in rs if not r.ok])
 
 
-def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32,
+def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32, id_limit: int = 1000,
               api_key: str | None = None, model: str | None = None, seed: int = 0,
               timeout: float = 600.0) -> list[LevelResult]:
     """One LevelResult per concurrency level (a warm-up request runs first)."""
@@ -163,7 +163,7 @@ def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: in
     models = r.json()["data"]
     model = model or models[0]["id"]
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 1000) for _ in range(prompt_tokens)] for _ in range(max(requests, 1))]
+    prompts = [[rng.randrange(3, id_limit) for _ in range(prompt_tokens)] for _ in range(max(requests, 1))]
 
     async def main() -> list[LevelResult]:
         warm = await _level(base, model, 1, 1, prompts, min(max_tokens, 4), headers, timeout)

@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -79,6 +79,7 @@ class ServeMetrics:
     dashboards made for vLLM read them."""
 
     def __init__(self, aeng: AsyncEngine, model_name: str):
+        disable_created_metrics()  # no *_created series (vLLM omits them too)
         self.registry = r = CollectorRegistry()
         lab = ["model_name"]
         self.model = model_name
@@ -243,7 +244,9 @@ class _Stream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(media_type=self.media_type, headers={"Cache-Control": "no-cache"})
+        # no Response.__init__: that would declare a Content-Length
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         self.events, self.on_close = events, on_close
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
@@ -276,31 +279,31 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _completion_logprobs(chunks: list[Chunk], offset: int) -> dict:
+def _piece(c: Chunk, i: int, as_ids: bool) -> str:
+    """How token ``i`` is named in logprobs: its text, or vLLM's "token_id:N" when asked."""
+    return f"token_id:{i}" if as_ids else (c.pieces or {}).get(i, "")
+
+
+def _completion_logprobs(chunks: list[Chunk], offset: int, as_ids: bool) -> dict:
     """OpenAI's completions logprobs object for these tokens (text_offset from ``offset``)."""
     tokens, lps, tops, offs = [], [], [], []
     for c in chunks:
-        piece = c.pieces.get(c.token, "") if c.pieces else ""
+        piece = _piece(c, c.token, as_ids)
         tokens.append(piece)
         lps.append(c.logprob)
-        tops.append({(c.pieces or {}).get(i, str(i)): lp for i, lp in c.top_logprobs or []})
+        tops.append({_piece(c, i, as_ids): lp for i, lp in c.top_logprobs or []})
         offs.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def _chat_logprobs(chunks: list[Chunk]) -> dict:
-    def entry(i: int, lp: float, pieces: dict) -> dict:
-        t = pieces.get(i, "")
+def _chat_logprobs(chunks: list[Chunk], as_ids: bool) -> dict:
+    def entry(c: Chunk, i: int, lp: float) -> dict:
+        t = _piece(c, i, as_ids)
         return {"token": t, "logprob": lp, "bytes": list(t.encode())}
 
-    content = []
-    for c in chunks:
-        p = c.pieces or {}
-        e = entry(c.token, c.logprob, p)
-        e["top_logprobs"] = [entry(i, lp, p) for i, lp in c.top_logprobs or []]
-        content.append(e)
-    return {"content": content}
+    return {"content": [{**entry(c, c.token, c.logprob),
+                         "top_logprobs": [entry(c, i, lp) for i, lp in c.top_logprobs or []]} for c in chunks]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,6 +431,7 @@ def build_app(aeng: AsyncEngine, model_name: str, *, api_key: str | None = None)
         stream = want_stream(body)
         lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
         params, max_tokens = _sampling(body, lp)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
         prompt = _prompt(body)
         h, params = await start(prompt, params, max_tokens, lambda n: 16, add_bos=True)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -441,13 +445,13 @@ def build_app(aeng: AsyncEngine, model_name: str, *, api_key: str | None = None)
                 ch = {"index": 0, "text": c.text, "logprobs": None,
                       "finish_reason": FINISH_REASON.get(c.stop_reason) if c.finished else None}
                 if lp is not None:
-                    ch["logprobs"] = _completion_logprobs([c], offset[0])
+                    ch["logprobs"] = _completion_logprobs([c], offset[0], as_ids)
                     offset[0] += sum(len(t) for t in ch["logprobs"]["tokens"])
                 return [{**head, "choices": [ch]}]
             return _Stream(events(h, make, stream_opts(body), rid, "text_completion"), h.cancel)
         chunks = await collect(request, h)
         text = "".join(c.text for c in chunks)
-        choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(chunks, 0) if lp is not None else None,
+        choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(chunks, 0, as_ids) if lp is not None else None,
                   "finish_reason": FINISH_REASON.get(chunks[-1].stop_reason) if chunks else None}
         return JSONResponse({**head, "choices": [choice], "usage": usage(h, len(chunks))})
 
@@ -461,6 +465,7 @@ def build_app(aeng: AsyncEngine, model_name: str, *, api_key: str | None = None)
         if top is not None and lp is None:
             raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
         params, max_tokens = _sampling(body, lp)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
         msgs = _messages(body)
         try:
             ids = await aeng.call(eng.apply_chat_template, msgs)
@@ -483,13 +488,13 @@ def build_app(aeng: AsyncEngine, model_name: str, *, api_key: str | None = None)
                 if not c.text and lp is None and not c.finished:
                     return []
                 ch = {"index": 0, "delta": {"content": c.text} if c.text else {},
-                      "logprobs": _chat_logprobs([c]) if lp is not None else None,
+                      "logprobs": _chat_logprobs([c], as_ids) if lp is not None else None,
                       "finish_reason": FINISH_REASON.get(c.stop_reason) if c.finished else None}
                 return [{**head, "choices": [ch]}]
             return _Stream(events(h, make, stream_opts(body), rid, "chat.completion.chunk"), h.cancel)
         chunks = await collect(request, h)
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-                  "logprobs": _chat_logprobs(chunks) if lp is not None else None,
+                  "logprobs": _chat_logprobs(chunks, as_ids) if lp is not None else None,
                   "finish_reason": FINISH_REASON.get(chunks[-1].stop_reason) if chunks else None}
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                              "choices": [choice], "usage": usage(h, len(chunks))})
