@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"dsv4 serve: {name} ({eng.config.n_slots} slots, context {eng.config.max_seq_len}, "
           f"{eng.target} on {args.device}) at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM/SIGINT while it runs (drain, then shut down) and afterwards re-raises
+    # the signal to the handler that was there before it; make that one a no-op so a drained
+    # shutdown exits 0 instead of dying of the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                   timeout_graceful_shutdown=args.drain_timeout, access_log=args.access_log)).run()
     return 0

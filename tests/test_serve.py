@@ -507,3 +507,33 @@ def test_sigterm_drains_and_exits_cleanly(serve_export, tmp_path) -> None:
     assert json.loads(lines[-2])["usage"]["completion_tokens"] == 40, "the in-flight request was drained"
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.base + "/health", timeout=2)
+
+
+def test_bench_percentiles_match_numpy() -> None:
+    import numpy as np
+
+    from dsv4.runtime.bench_serve import summarize
+
+    xs = [0.003, 0.001, 0.010, 0.002, 0.5, 0.004, 0.007]
+    s = summarize(xs)
+    assert s["mean_ms"] == pytest.approx(1e3 * np.mean(xs))
+    assert s["p50_ms"] == pytest.approx(1e3 * np.percentile(xs, 50))
+    assert s["p99_ms"] == pytest.approx(1e3 * np.percentile(xs, 99))
+
+
+def test_bench_serve_against_the_server(server) -> None:
+    from dsv4.runtime.bench_serve import format_table, run_bench
+
+    res = run_bench(server.base, [1, 3], 3, max_tokens=6, prompt_tokens=5, api_key=KEY)
+    assert [r.concurrency for r in res] == [1, 3]
+    for r in res:
+        assert (r.completed, r.failed, r.output_tokens, r.prompt_tokens) == (3, 0, 18, 15), r.errors
+        assert 0 < r.ttft["p50_ms"] <= r.e2el["p50_ms"] and r.tpot["mean_ms"] > 0
+    assert "TTFT p99 (ms)" in format_table(res)
+
+
+def test_serving_imports_no_torch() -> None:
+    code = ("import sys; import dsv4.runtime.server, dsv4.runtime.async_engine, dsv4.runtime.bench_serve, "
+            "dsv4.runtime.serve_cli; bad = [m for m in ('torch', 'iree.compiler', 'iree.turbine') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
