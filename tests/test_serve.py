@@ -251,7 +251,7 @@ class Server:
         """name{labels} -> value, labels other than model_name kept in the key."""
         out = {}
         for line in httpx.get(self.base + "/metrics", timeout=10).text.splitlines():
-            m = re.match(r'^([a-zA-Z_:]+)(?:\{(.*)\})? (\S+)$', line)
+            m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$', line)
             if m:
                 labels = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p and "model_name" not in p))
                 out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
