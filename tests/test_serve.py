@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -533,8 +534,38 @@ def test_bench_serve_against_the_server(server) -> None:
     assert "TTFT p99 (ms)" in format_table(res)
 
 
+_BLOCK = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in BLOCKED or name.startswith(('iree.compiler', 'iree.turbine')):
+            raise ModuleNotFoundError('blocked: ' + name, name=name)  # as if not installed
+sys.meta_path.insert(0, Block())
+"""
+
+
 def test_serving_imports_no_torch() -> None:
-    code = ("import sys; import dsv4.runtime.server, dsv4.runtime.async_engine, dsv4.runtime.bench_serve, "
-            "dsv4.runtime.serve_cli; bad = [m for m in ('torch', 'iree.compiler', 'iree.turbine') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = ("BLOCKED = ('torch',)" + _BLOCK + "import dsv4.runtime.server, dsv4.runtime.async_engine, "
+            "dsv4.runtime.bench_serve, dsv4.runtime.serve_cli")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("cmd", [["serve", "/nonexistent"], ["bench", "serve", "http://127.0.0.1:9"]])
+def test_serve_commands_without_the_serve_extra_say_what_is_missing(cmd) -> None:
+    code = ("BLOCKED = ('starlette', 'uvicorn', 'httpx', 'prometheus_client')" + _BLOCK
+            + f"from dsv4.runtime.cli import main; sys.exit(main({cmd!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "needs the 'serve' extra" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_token_logprobs_against_a_float64_log_softmax() -> None:
+    import numpy as np
+
+    from dsv4.runtime.sampling import token_logprobs
+
+    x = np.array([2.0, -1.0, 3.5, 3.5, 0.0], dtype=np.float32)
+    ref = [math.log(math.exp(v) / sum(math.exp(w) for w in x.tolist())) for v in x.tolist()]
+    lp, top = token_logprobs(x, 1, 3)
+    assert lp == pytest.approx(ref[1], abs=1e-12)
+    assert [t for t, _ in top] == [2, 3, 0]  # ties by the lower id
+    assert [v for _, v in top] == pytest.approx([ref[2], ref[3], ref[0]], abs=1e-12)
