@@ -170,6 +170,35 @@ def test_async_engine_cancel_and_bounded_queue() -> None:
     asyncio.run(main())
 
 
+def test_async_engine_cancel_while_its_admission_tick_runs() -> None:
+    """A request cancelled while the tick that submits it is still stepping is dropped from the
+    Engine at the next tick (it must not keep a slot with nobody reading it)."""
+    class SlowEngine(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.in_step = threading.Event()
+
+        def step(self):
+            self.in_step.set()
+            time.sleep(0.2)
+            return super().step()
+
+    async def main():
+        eng = SlowEngine()
+        async with AsyncEngine(eng, max_queue=0) as aeng:
+            h = aeng.submit([1], SamplingParams(max_new_tokens=1000))
+            while not eng.in_step.is_set():
+                await asyncio.sleep(0.005)
+            h.cancel()  # its tick is running: submitted, not yet handed back
+            assert h.engine_id is not None and aeng.num_running == 0
+            for _ in range(200):
+                if eng.cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.cancelled and eng.cancelled[0][0] == h.engine_id and not eng.running
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------------------------
 # the server process
 # ------------------------------------------------------------------------------------------------
@@ -569,3 +598,25 @@ def test_token_logprobs_against_a_float64_log_softmax() -> None:
     assert lp == pytest.approx(ref[1], abs=1e-12)
     assert [t for t, _ in top] == [2, 3, 0]  # ties by the lower id
     assert [v for _, v in top] == pytest.approx([ref[2], ref[3], ref[0]], abs=1e-12)
+
+
+def test_sigterm_past_the_drain_timeout_cancels_and_exits_cleanly(serve_export, tmp_path) -> None:
+    s = Server(serve_export, tmp_path / "server.log", "--drain-timeout", "0.3")
+    n = s.cfg["max_seq_len"] - 16
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    lines = []
+    t0 = time.monotonic()
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", s.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line)
+                        if len(lines) == 1:
+                            s.proc.send_signal(signal.SIGTERM)
+            except httpx.HTTPError:  # the server closed the stream
+                pass
+    assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
+    assert len(lines) < n and "data: [DONE]" not in lines, "the request should have been cut at the drain timeout"
+    assert time.monotonic() - t0 < 30
