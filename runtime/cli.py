@@ -11,6 +11,7 @@ from pathlib import Path
 from dsv4.export.cli import add_parser as add_export_parser
 
 from .commands import add_parsers as add_runtime_parsers
+from .serve_cli import add_parsers as add_serve_parsers
 
 
 def _ids(text: str) -> list[int]:
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the action's options")
     c.set_defaults(fn=cmd_checkpoint)
     add_runtime_parsers(sub)  # generate, score
+    add_serve_parsers(sub)  # serve, bench serve
     add_export_parser(sub)  # export (torch loads only when it runs)
     args = p.parse_args(argv)
     try:

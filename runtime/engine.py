@@ -41,7 +41,7 @@ from .artifact import ExportConfig, target_for_device
 from .batching import SlotAllocator, plan_calls
 from .errors import ArtifactError, EngineError, RequestError
 from .module import IreeModule
-from .sampling import SamplingParams, make_rng, sample_token
+from .sampling import SamplingParams, make_rng, sample_token, token_logprobs
 from .text import IncrementalDecoder, StopMatcher, TextCodec
 
 __all__ = ["Engine", "GenerationResult", "StreamChunk", "ScoreResult", "SamplingParams",
@@ -78,6 +78,8 @@ class StreamChunk:
     text: str
     finished: bool = False
     stop_reason: str | None = None
+    logprob: float | None = None  # with SamplingParams.logprobs: log p(token) and the top alternatives
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -332,7 +334,7 @@ class Engine:
                 if ending:
                     argmax = np.asarray(argmax_d.to_host()).reshape(-1)
                     logits = (np.asarray(logits_d.to_host())
-                              if any(not group[k].params.greedy for k in ending) else None)
+                              if any(group[k].params.needs_logits for k in ending) else None)
                     for k in ending:
                         last[k] = (None if logits is None else logits[k], int(argmax[k]))
             out.extend(last)
@@ -348,7 +350,7 @@ class Engine:
             self.stats["decode_rows"] += n
             self.stats["decode_padded_rows"] += bs - n
             argmax = np.asarray(argmax_d.to_host()).reshape(-1)
-            logits = np.asarray(logits_d.to_host()) if any(not r.params.greedy for r in group) else None
+            logits = np.asarray(logits_d.to_host()) if any(r.params.needs_logits for r in group) else None
             for k, r in enumerate(group):
                 r.pos += 1
                 events.append(self._accept(r, None if logits is None else logits[k], int(argmax[k])))
@@ -384,7 +386,10 @@ class Engine:
             if upto > r.emitted:
                 delta = r.text[r.emitted:upto]
                 r.emitted = upto
-        return StreamChunk(r.id, tok, delta, r.finished, r.stop_reason)
+        chunk = StreamChunk(r.id, tok, delta, r.finished, r.stop_reason)
+        if r.params.logprobs is not None:
+            chunk.logprob, chunk.top_logprobs = token_logprobs(logits, tok, r.params.logprobs)
+        return chunk
 
     def _result(self, r: _Request) -> GenerationResult:
         n = len(r.tokens)

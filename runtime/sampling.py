@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sampling_distribution", "sample_token", "make_rng"]
+__all__ = ["SamplingParams", "sampling_distribution", "sample_token", "make_rng", "token_logprobs", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: each chunk carries its token's logprob and the top k
 
     def __post_init__(self) -> None:
         # normalise list inputs so the dataclass stays hashable/frozen
@@ -60,10 +63,17 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the host needs this request's logits (sampling, or logprobs to report)."""
+        return not self.greedy or self.logprobs is not None
 
 
 def make_rng(seed: int | None) -> tuple[np.random.Generator, int]:
@@ -124,3 +134,14 @@ def sample_token(logits: np.ndarray | None, params: SamplingParams, rng: np.rand
     u = rng.random() * cum[-1]
     i = min(int(np.searchsorted(cum, u, side="right")), len(order) - 1)
     return int(order[i])
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) under the model's own distribution (log-softmax of the raw logits, before
+    temperature / top-k / top-p, as vLLM reports by default) and the k most likely (id, logprob),
+    most likely first, ties by the lower id."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top = np.argsort(-lp, kind="stable")[:k]
+    return float(lp[token]), [(int(t), float(lp[t])) for t in top]
