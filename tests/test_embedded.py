@@ -15,14 +15,12 @@ weights) takes minutes on 2 cores: it is cached under .cache/ keyed by the sourc
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import cached_export
 
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
 from dsv4.model.corpus import DOC_SEPARATOR
@@ -40,7 +38,7 @@ NEW_TOKENS = 32
 FP8_VS_BF16 = 0.03  # relative perplexity bound, FP8/MXFP4 checkpoint vs bf16 master (eager)
 COMPILED_VS_EAGER = 0.01  # compiled llvm-cpu vs the same checkpoint in eager
 TIE = 0.1  # logits closer than this are a bf16 near-tie (see the greedy test)
-EXPORT_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), max_chunk=WINDOW)
+EXPORT_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), max_chunk=WINDOW, keep_mlir=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,36 +83,24 @@ def ppl_fp8(fp8_model, windows) -> float:
     return eager_ppl(fp8_model, windows)
 
 
-def _export_key() -> str:
-    import iree.compiler
+@pytest.fixture(scope="module")
+def export_dir(fp8_model) -> Path:
+    """The embedded checkpoint exported as `dsv4 export` does by default (cached), MLIR kept so
+    the gfx942 (e4m3fnuz) graph can also be compiled for llvm-cpu and run here."""
+    from dsv4.export.exporter import export_model
 
-    h = hashlib.sha256()
-    graph = ("model.py", "config.py", "state.py", "quant_sim.py", "formats.py", "checkpoint.py")
-    for f in sorted([*(REPO / "model" / g for g in graph), *(REPO / "model" / "kernels").glob("*.py"),
-                     *(REPO / "export").glob("*.py"), EMBEDDED_CHECKPOINT / "model.safetensors",
-                     EMBEDDED_CHECKPOINT / "config.json", EMBEDDED_CHECKPOINT / "tokenizer.json"]):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    h.update(repr(sorted(EXPORT_ARGS.items())).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
-    return h.hexdigest()[:16]
+    def build(out: Path) -> None:
+        export_model(fp8_model, fp8_model.cfg, out, **EXPORT_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+
+    weights = [EMBEDDED_CHECKPOINT / f for f in ("model.safetensors", "config.json", "tokenizer.json")]
+    return cached_export("embedded", build, [*weights, sorted(EXPORT_ARGS.items())])
 
 
 @pytest.fixture(scope="module")
-def engine(fp8_model, tmp_path_factory):
-    """The embedded checkpoint exported as `dsv4 export` does by default (cached)."""
-    from dsv4.export.exporter import export_model
+def engine(export_dir):
     from dsv4.runtime.engine import Engine
 
-    cache = REPO / ".cache" / f"embedded-{_export_key()}"
-    if not (cache / "config.json").is_file():
-        tmp = tmp_path_factory.mktemp("embedded")
-        export_model(fp8_model, fp8_model.cfg, tmp, **EXPORT_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
-        if cache.exists():
-            shutil.rmtree(cache)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, cache)
-    return Engine(cache)
+    return Engine(export_dir)
 
 
 def test_fp8_checkpoint_perplexity_is_close_to_the_bf16_master(windows, ppl_fp8):

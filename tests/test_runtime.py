@@ -6,8 +6,8 @@ End-to-end tests run against two exports:
   character tokenizer), compiled once for llvm-cpu in a few seconds: it checks the engine's
   mechanics (in-place device state, chunked prefill, padded batched decode, slot reuse, score
   chunking, export_id) against the same toy module run eagerly;
-* the real tiny DeepSeek-V4 preset via ``dsv4.export.exporter.export_model`` when that module
-  exists (skipped otherwise): compiled greedy == eager ``dsv4.model.generate.greedy``.
+* the real tiny DeepSeek-V4 preset via ``dsv4.export.exporter.export_model`` (marked `slow`,
+  cached by tests/conftest.py): compiled greedy == eager ``dsv4.model.generate.greedy``.
 """
 
 from __future__ import annotations
@@ -774,42 +774,25 @@ TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_s
                         max_chunk=TINY_CHUNK)
 
 
-def _tiny_source_hash() -> str:
-    """Key of the cached export: the sources that shape the graph, the export arguments, the compiler."""
-    import hashlib
-
-    import iree.compiler
-
-    h = hashlib.sha256()
-    for f in sorted([*(REPO / "model").glob("*.py"), *(REPO / "model" / "kernels").glob("*.py"),
-                     *(REPO / "export").glob("*.py")]):
-        h.update(f.relative_to(REPO).as_posix().encode())
-        h.update(f.read_bytes())
-    h.update(repr((TINY_SEED, sorted(TINY_EXPORT_ARGS.items()))).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="session")
-def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset exported for llvm-cpu (5-15 min on 2 cores, so cached under .cache/ keyed by
-    the sources; DSV4_RUNTIME_TEST_EXPORT_DIR=<dir> points at an export made with the same args)."""
+def tiny_export() -> Path:
+    """The tiny preset exported for llvm-cpu (5-15 min on 2 cores, so cached under .cache/ by
+    tests/conftest.py; DSV4_RUNTIME_TEST_EXPORT_DIR=<dir> points at an export made with the same args).
+    The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
     import os
-    import shutil
 
-    exporter = pytest.importorskip("dsv4.export.exporter", reason="exporter not available")
+    from conftest import cached_export
+
+    from dsv4.export.exporter import export_model
+
     if os.environ.get("DSV4_RUNTIME_TEST_EXPORT_DIR"):
         return Path(os.environ["DSV4_RUNTIME_TEST_EXPORT_DIR"])
-    cache = REPO / ".cache" / f"runtime-tiny-{_tiny_source_hash()}"
-    if not (cache / "config.json").is_file():
+
+    def build(out: Path) -> None:
         cfg, model = _tiny_model()
-        tmp = tmp_path_factory.mktemp("tiny_export")
-        exporter.export_model(model, cfg, tmp, **TINY_EXPORT_ARGS)
-        if cache.exists():
-            shutil.rmtree(cache)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, cache)
-    return cache
+        export_model(model, cfg, out, **TINY_EXPORT_ARGS)
+
+    return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
 
 
 @pytest.fixture(scope="session")
