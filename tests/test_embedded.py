@@ -149,30 +149,34 @@ def test_compiled_perplexity_matches_eager(engine, windows, ppl_fp8):
 
 
 def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp8_model, tokenizer):
-    """Token for token, except at a bf16 near-tie: both run bf16 activations, but IREE fuses
-    elementwise chains where torch rounds after every op, so where eager's two best logits are
-    within TIE the pick may differ (eager's own prefill and decode paths split such a tie: step 31
-    of this prompt, margin 0.048). At the first difference, eager must rate the compiled token
-    within TIE of its own; after it the texts legitimately part."""
+    """Teacher-forced, all NEW_TOKENS steps: under the same prefix (the prompt and eager's greedy
+    tokens so far), the compiled module's top token is eager's, or eager rates it within TIE of its
+    best (a bf16 near-tie: both run bf16 activations, but IREE fuses elementwise chains where torch
+    rounds after every op; eager's own prefill and decode paths split such a tie at step 31 of this
+    prompt, margin 0.048). Steps after a split are still checked, on eager's continuation."""
     from dsv4.runtime.sampling import SamplingParams
 
     prompt = encode(tokenizer, EMBEDDED_PROMPT, bos=True)
     with topk_impl("argmax"):  # the export's top-k tie-breaking
         want = greedy(fp8_model, prompt, NEW_TOKENS)
-    res = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    got = res.tokens
-    text = engine.decode(got)
-    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
-    print(f"[embedded] compiled greedy {EMBEDDED_PROMPT!r} -> {text!r}; equal to eager for {same}/{NEW_TOKENS} tokens")
-    assert len(got) == NEW_TOKENS
-    if same < NEW_TOKENS:
-        seq = torch.tensor([prompt + want[:same]])
-        with torch.no_grad(), topk_impl("argmax"):
+        seq = torch.tensor([prompt + want])
+        with torch.no_grad():
             logits = fp8_model(seq, torch.tensor([0]), torch.tensor([seq.shape[1]]), torch.tensor([0]),
-                               new_state(fp8_model.cfg, 1, fp8_model.dtype))[0].float()
-        gap = float(logits.max() - logits[got[same]])
-        print(f"[embedded] first difference at token {same}: eager rates the compiled pick {gap:.3f} below its best")
-        assert gap <= TIE
+                               new_state(fp8_model.cfg, 1, fp8_model.dtype), all_logits=True)[0].float()
+    assert len(want) == NEW_TOKENS
+    got, gaps = [], []
+    for i in range(NEW_TOKENS):
+        res = engine.generate(prompt + want[:i], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        got.append(res.tokens[0])
+        step = logits[len(prompt) + i - 1]  # eager's logits for the token after prompt + want[:i]
+        gaps.append(float(step.max() - step[got[-1]]))
+    text = engine.decode(want)
+    agree = sum(a == b for a, b in zip(got, want))
+    print(f"[embedded] greedy {EMBEDDED_PROMPT!r} -> {text!r}; compiled top token == eager's at {agree}/{NEW_TOKENS} "
+          f"teacher-forced steps; largest eager gap to the compiled pick {max(gaps):.3f}")
+    bad = [(i, got[i], want[i], round(g, 3)) for i, g in enumerate(gaps) if got[i] != want[i] and g > TIE]
+    assert not bad, f"(step, compiled, eager, eager's gap) beyond the bf16 near-tie {TIE}: {bad}"
+    assert agree >= NEW_TOKENS - 2  # near-ties are rare: measured 31-32 of 32
     assert "\ufffd" not in text  # whole UTF-8 characters, i.e. real text pieces
 
 
