@@ -102,13 +102,26 @@ def test_every_hot_spot_has_an_op():
 
 
 def test_eager_reference_untouched_without_override():
+    """Without an override a hook is its torch reference (the undecorated function in HOOKS, called
+    with the module's own arguments); with one installed the call goes to it, and leaves no trace."""
     for name, (make, args, _) in CASES.items():
         m = make().eval()
+        seen = []
+
+        def spy(*a, **kw):
+            seen.append((a, kw))
+            return mk.HOOKS[name](*a, **kw)
+
         with torch.no_grad():
             a = m(*args)
-            with use_kernels({name: "reference"}):
+            with mk.overrides({name: spy}):
                 b = m(*args)
-        assert torch.equal(a, b), name
+            assert len(seen) == 1, name  # the hook dispatches to an installed override
+            ref = mk.HOOKS[name](*seen[0][0], **seen[0][1])
+            with mk.overrides({name: lambda *a, **kw: torch.zeros(())}):
+                assert torch.equal(m(*args), torch.zeros(())), name
+            c = m(*args)
+        assert torch.equal(a, ref) and torch.equal(b, ref) and torch.equal(c, ref), name
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
