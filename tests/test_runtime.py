@@ -364,7 +364,8 @@ def _toy_tokenizer():
 
 def _toy_module():
     """A module with the export ABI: state kv f32 [slots, S+1, D] (row S is scratch for padding
-    writes) and last bf16 [slots, D]; attention over the slot's positions <= each token's."""
+    writes) and prev_tab bf16 [slots, S+1, D] (each position's embedding, added to the next
+    position's output); attention over the slot's positions <= each token's."""
     import torch
     import torch.nn as nn
 
@@ -376,7 +377,7 @@ def _toy_module():
             self.wq = nn.Parameter(torch.randn(TOY_D, TOY_D, generator=g) / TOY_D**0.5)
             self.head = nn.Parameter(torch.randn(TOY_D, TOY_V, generator=g) * 2)
 
-        def hidden(self, tokens, start_pos, lengths, slots, kv, last):
+        def hidden(self, tokens, start_pos, lengths, slots, kv, prev_tab):
             N, T = tokens.shape
             e = self.emb[tokens]  # N,T,D
             ar = torch.arange(T)
@@ -384,10 +385,11 @@ def _toy_module():
             valid = ar[None, :] < lengths[:, None]
             rows = torch.where(valid, pos, torch.full_like(pos, TOY_S))
             kv.index_put_((slots[:, None].expand(N, T), rows), e)
-            lastidx = (lengths - 1).clamp(min=0)
-            e_last = torch.gather(e, 1, lastidx.view(N, 1, 1).expand(N, 1, TOY_D))[:, 0]
-            keep = (lengths > 0)[:, None]
-            last.index_put_((slots,), torch.where(keep, e_last.to(last.dtype), last[slots]))
+            # bf16 state: each position's embedding, read back at the next position (so the state is
+            # both written and read, chunk by chunk; positions are idempotent like the kv rows)
+            prev_tab.index_put_((slots[:, None].expand(N, T), rows), e.to(prev_tab.dtype))
+            prev_rows = torch.where(pos > 0, pos - 1, TOY_S)  # position 0 reads the scratch row: zeros
+            prev = torch.where((pos > 0)[..., None], prev_tab[slots[:, None], prev_rows].float(), 0.0)
             ctx = kv[slots][:, :TOY_S]  # N,S,D
             q = e @ self.wq
             sc = torch.einsum("ntd,nsd->nts", q, ctx) / TOY_D**0.5
@@ -395,18 +397,18 @@ def _toy_module():
             mask = p_ar[None, None, :] <= pos[:, :, None]
             sc = sc.masked_fill(~mask, -1e9)
             att = torch.softmax(sc, -1)
-            h = torch.tanh(e + torch.einsum("nts,nsd->ntd", att, ctx))
+            h = torch.tanh(e + torch.einsum("nts,nsd->ntd", att, ctx) + 0.5 * prev)
             return h @ self.head  # N,T,V
 
-        def forward(self, tokens, start_pos, lengths, slots, kv, last):
-            logits = self.hidden(tokens, start_pos, lengths, slots, kv, last)
+        def forward(self, tokens, start_pos, lengths, slots, kv, prev_tab):
+            logits = self.hidden(tokens, start_pos, lengths, slots, kv, prev_tab)
             N = tokens.shape[0]
             lastidx = (lengths - 1).clamp(min=0)
             lg = torch.gather(logits, 1, lastidx.view(N, 1, 1).expand(N, 1, TOY_V))[:, 0]
             return lg, torch.argmax(lg, -1)
 
-        def score(self, tokens, start_pos, lengths, slots, kv, last):
-            logits = self.hidden(tokens, start_pos, lengths, slots, kv, last)
+        def score(self, tokens, start_pos, lengths, slots, kv, prev_tab):
+            logits = self.hidden(tokens, start_pos, lengths, slots, kv, prev_tab)
             lp = torch.log_softmax(logits, -1)
             nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
             return torch.gather(lp, 2, nxt[:, :, None])[:, :, 0]
@@ -417,24 +419,24 @@ def _toy_module():
 def _toy_state():
     import torch
 
-    return (torch.zeros(TOY_SLOTS, TOY_S + 1, TOY_D), torch.zeros(TOY_SLOTS, TOY_D, dtype=torch.bfloat16))
+    return (torch.zeros(TOY_SLOTS, TOY_S + 1, TOY_D), torch.zeros(TOY_SLOTS, TOY_S + 1, TOY_D, dtype=torch.bfloat16))
 
 
 def _toy_eager_greedy(model, prompt: list[int], n: int, chunk: int = TOY_TMAX) -> list[int]:
     import torch
 
-    kv, last = _toy_state()
+    kv, prev_tab = _toy_state()
     i64 = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     with torch.no_grad():
         for s in range(0, len(prompt), chunk):
             piece = prompt[s:s + chunk]
             padded = piece + [0] * max(0, TOY_TMIN - len(piece))
-            lg, am = model(torch.tensor([padded]), i64(s), i64(len(piece)), i64(0), kv, last)
+            lg, am = model(torch.tensor([padded]), i64(s), i64(len(piece)), i64(0), kv, prev_tab)
         out, pos = [], len(prompt)
         for _ in range(n):
             t = int(am[0])
             out.append(t)
-            lg, am = model(torch.tensor([[t]]), i64(pos), i64(1), i64(0), kv, last)
+            lg, am = model(torch.tensor([[t]]), i64(pos), i64(1), i64(0), kv, prev_tab)
             pos += 1
     return out
 
@@ -451,24 +453,24 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
     aot.externalize_module_parameters(model, external_scope="model")
     aot.save_module_parameters(out / "model.irpa", model)
     fxb = aot.FxProgramsBuilder(model)
-    kv, last = _toy_state()
+    kv, prev_tab = _toy_state()
     Tdim = torch.export.Dim("T", min=TOY_TMIN, max=TOY_TMAX)
 
     def args(n: int, t: int):
         return (torch.zeros(n, t, dtype=torch.long), torch.zeros(n, dtype=torch.long),
-                torch.ones(n, dtype=torch.long), torch.arange(n), kv, last)
+                torch.ones(n, dtype=torch.long), torch.arange(n), kv, prev_tab)
 
-    dyn = {"tokens": {1: Tdim}, "start_pos": None, "lengths": None, "slots": None, "kv": None, "last": None}
+    dyn = {"tokens": {1: Tdim}, "start_pos": None, "lengths": None, "slots": None, "kv": None, "prev_tab": None}
     for n in (1, 2):
-        fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, last:
-                           m(tokens, start_pos, lengths, slots, kv, last),
+        fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, prev_tab:
+                           m(tokens, start_pos, lengths, slots, kv, prev_tab),
                            name=f"prefill_bs{n}", args=args(n, 4), dynamic_shapes=dyn, strict=False)
     for n in (1, 2, 4):
-        fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, last:
-                           m(tokens, start_pos, lengths, slots, kv, last),
+        fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, prev_tab:
+                           m(tokens, start_pos, lengths, slots, kv, prev_tab),
                            name=f"decode_bs{n}", args=args(n, 1), strict=False)
-    fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, last:
-                       m.score(tokens, start_pos, lengths, slots, kv, last),
+    fxb.export_program(lambda m, tokens, start_pos, lengths, slots, kv, prev_tab:
+                       m.score(tokens, start_pos, lengths, slots, kv, prev_tab),
                        name="score_bs1", args=args(1, 4), dynamic_shapes=dyn, strict=False)
     if with_id_fn:
         code = torch.tensor(list(export_id.encode()), dtype=torch.int64)
@@ -482,7 +484,7 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
         "bos_token": "<s>", "eos_token": "</s>",
         "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}, {{ m['content'] }}. "
                          "{% endfor %}{% if add_generation_prompt %}assistant,{% endif %}"}))
-    sargs = ["tokens", "start_pos", "lengths", "slots", "kv", "last"]
+    sargs = ["tokens", "start_pos", "lengths", "slots", "kv", "prev_tab"]
     fns = {f"prefill_bs{n}": {"args": sargs, "results": ["logits", "argmax"]} for n in (1, 2)}
     fns.update({f"decode_bs{n}": {"args": sargs, "results": ["logits", "argmax"]} for n in (1, 2, 4)})
     fns["score_bs1"] = {"args": sargs, "results": ["logprobs"]}
@@ -493,7 +495,7 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
         "prefill": {"batch_sizes": [1, 2], "min_tokens": TOY_TMIN, "max_tokens": TOY_TMAX},
         "decode": {"batch_sizes": [1, 2, 4]},
         "state": [{"name": "kv", "shape": [TOY_SLOTS, TOY_S + 1, TOY_D], "dtype": "float32"},
-                  {"name": "last", "shape": [TOY_SLOTS, TOY_D], "dtype": "bfloat16"}],
+                  {"name": "prev_tab", "shape": [TOY_SLOTS, TOY_S + 1, TOY_D], "dtype": "bfloat16"}],
         "functions": fns,
         "targets": {"llvm-cpu": {"vmfb": "model.llvm-cpu.vmfb", "flags": []}},
         "parameters": "model.irpa", "tokenizer": "tokenizer.json", "bos_token_id": 0, "eos_token_ids": [1],
