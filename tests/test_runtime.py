@@ -884,7 +884,10 @@ def test_tiny_score_matches_eager(tiny_engine, tiny_eager) -> None:
                         all_logits=True)
         ref = lg[0].double().log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
     res = tiny_engine.score(ids)
-    np.testing.assert_allclose(res.logprobs[1:], ref, atol=1e-3)
+    # derived from the compiled-vs-eager fp32 logit bound of test_export_model (2e-4 + 2e-4 |logit|):
+    # a log-softmax moves by at most twice the largest logit change
+    tol = 2 * (2e-4 + 2e-4 * float(lg.abs().max()))
+    np.testing.assert_allclose(res.logprobs[1:], ref, rtol=0, atol=tol)
     assert res.perplexity == pytest.approx(math.exp(-ref.mean()), rel=1e-3)
     long = TINY_PROMPTS[3]  # longer than one call: overlapping chunks
     whole = tiny_engine.score(long)
