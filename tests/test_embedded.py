@@ -113,8 +113,9 @@ def test_fp8_checkpoint_perplexity_is_close_to_the_bf16_master(windows, ppl_fp8)
     print(f"[embedded] held-out ppl over {N_WINDOWS}x{WINDOW} tokens: bf16 master {ppl_bf16:.3f}, "
           f"FP8/MXFP4 checkpoint {ppl_fp8:.3f}")
     assert abs(ppl_fp8 / ppl_bf16 - 1) < FP8_VS_BF16
-    # a trained model, not noise: far below uniform over the vocabulary
-    assert ppl_bf16 < 0.1 * 2048
+    # The absolute anchor is test_train's: both shipped files within 0.5 % / 1 % of the perplexity
+    # the training run recorded (that catches window-only compressed layers, a 1/D attention scale,
+    # a halved FP8 scale); this file chains compiled -> eager FP8 -> bf16 master onto it.
 
 
 def test_a_planted_fp8_encoding_bug_breaks_the_bound(windows, ppl_fp8):
