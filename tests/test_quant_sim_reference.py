@@ -13,6 +13,10 @@ nearest-even table lookup, never with dsv4.model.quant_sim. It is evaluated twic
 and off; the model (simulations on, fp32) must sit far closer to "on" than "on" is to "off", so a
 missing, misplaced or mis-blocked simulation fails: the distance is measured per layer, on the
 layer's output and on the indexer's query/key operands (read through Indexer.aux).
+
+Checked by planting (not committed): every simulation a no-op -> all 3 fail; only the activation
+quantization -> 3 fail; only the window-KV FP8 -> 3; only the indexer-query FP4 -> the CSA case;
+indexer keys at block 64 -> CSA; compressed-KV FP8 over the rope dims too -> CSA and HCA.
 """
 
 from __future__ import annotations
