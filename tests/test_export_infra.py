@@ -130,6 +130,7 @@ def test_compat_maps_e8m0() -> None:
     assert conversions.TORCH_DTYPE_TO_IREE_TYPE_ASM[torch.float8_e8m0fnu] == "f8E8M0FNU"
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_customop_exports_inline_mlir(exported: dict) -> None:
     """Style A needs the shim (turbine's expansion calls XType.isinstance); its MLIR is inlined
     once per specialization and nothing opaque is left; the e8m0 parameter is a typed global."""
@@ -184,6 +185,7 @@ def test_invalid_mlir_raises_short_compile_error(tmp_path: Path) -> None:
     assert (tmp_path / "bad.vmfb.input.mlir").read_text() == BAD_MLIR
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_cuda_compile_produces_ptx(tmp_path: Path) -> None:
     ok = BAD_MLIR.replace("i32", "f32")
     res = compile_mlir(ok, "cuda", tmp_path / "ok.cuda.vmfb")
@@ -199,6 +201,7 @@ def _extf_mlir(dtype: str) -> str:
     )
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_fp8_conversion_per_target(tmp_path: Path) -> None:
     """Regression markers for compiler 3.13 (update the hints/notes when these change):
     e4m3fnuz is native on gfx942 without the emulation flag; OCP e4m3fn fails there with a hint;
@@ -227,6 +230,7 @@ def _reference64(model: Tiny, idx: torch.Tensor, slots: torch.Tensor) -> tuple[n
     return h.numpy(), cache.numpy()
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 @pytest.mark.parametrize("k", [1, 7, 40])
 def test_cpu_reference_program_matches_eager_float64(exported: dict, cpu_module: IreeModule, k: int) -> None:
     torch.manual_seed(k)
@@ -244,6 +248,7 @@ def test_cpu_reference_program_matches_eager_float64(exported: dict, cpu_module:
     assert np.abs(h32 - h64).max() <= 2e-6 * scale
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 @pytest.mark.parametrize("impl", ["kernel", "opaque"])
 def test_kernel_styles_match_reference(exported: dict, cpu_module: IreeModule, impl: str) -> None:
     for k in (3, 29):
@@ -257,6 +262,7 @@ def test_kernel_styles_match_reference(exported: dict, cpu_module: IreeModule, i
         np.testing.assert_allclose(cache.to_host(), c64, rtol=0, atol=2e-6 * scale)
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_static_entry_point_reuses_kernel(exported: dict, cpu_module: IreeModule) -> None:
     idx, slots = torch.tensor([7]), torch.tensor([3])
     h64, _ = _reference64(exported["model"], idx, slots)
@@ -265,6 +271,7 @@ def test_static_entry_point_reuses_kernel(exported: dict, cpu_module: IreeModule
     np.testing.assert_allclose(h, h64, rtol=0, atol=2e-6 * np.abs(h64).max())
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_state_updated_in_place_via_index_put(exported: dict, cpu_module: IreeModule) -> None:
     torch.manual_seed(5)
     idx, slots = torch.randint(0, N, (6,)), torch.tensor([0, 9, 10, 33, 62, 63])
@@ -286,6 +293,7 @@ def test_state_updated_in_place_via_index_put(exported: dict, cpu_module: IreeMo
     assert not host.any()
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_gfx942_vmfb_contains_gfx942_hsaco(exported: dict) -> None:
     res = compile_mlir(exported["mlir"], "gfx942", exported["dir"] / "tiny.gfx942.vmfb")
     print(f"gfx942 compile {res.seconds:.2f}s")

@@ -3,7 +3,7 @@
 One export per session (random weights, fp32, quant_sim off so every difference is the
 compiler's, not a flipped FP8/FP4 rounding), compiled for llvm-cpu and gfx942. Exporting takes
 minutes on 2 cores, so the artifacts are cached under `.cache/` keyed by a hash of the model and
-export sources and the export parameters; delete `.cache/export-model-*` to force a fresh one.
+export sources and the export parameters (tests/conftest.py); delete `.cache/export-model-*` to force a fresh one.
 
 Tolerances (fp32, compiled vs eager): logits |diff| <= 2e-4 + 2e-4 |ref| (IREE reassociates fp32
 sums; measured maxima are in docs/export-notes.md), state the same; greedy tokens and every top-k
@@ -18,15 +18,14 @@ and the top-k test checks the compiled indices against eager torch.topk up to ex
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import cached_export
 
 import dsv4.export  # noqa: F401  (compat shim)
 from dsv4.export.compile import vmfb_executables
@@ -55,37 +54,17 @@ def tiny_model() -> Transformer:
     return init_random(Transformer(tiny_cfg(), dtype=torch.float32), seed=0).eval()
 
 
-def _source_hash() -> str:
-    h = hashlib.sha256()
-    graph = ("model.py", "config.py", "state.py", "quant_sim.py", "formats.py")  # what shapes the graph
-    files = [ROOT / "model" / f for f in graph] + sorted((ROOT / "model" / "kernels").glob("*.py"))
-    files += [ROOT / "export" / f for f in ("exporter.py", "model_kernels.py", "kernel_op.py", "compat.py", "compile.py")]
-    for f in files:
-        h.update(f.relative_to(ROOT).as_posix().encode())
-        h.update(f.read_bytes())
-    h.update(json.dumps(tiny_cfg().to_dict(), sort_keys=True).encode())
-    h.update(repr(sorted(EXPORT_ARGS.items())).encode())
-    import iree.compiler
-
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="session")
-def art(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def art() -> dict:
     """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model.
 
     DSV4_TEST_EXPORT_DIR=<dir> uses an export made elsewhere with the same arguments."""
-    cache = ROOT / ".cache" / f"export-model-{_source_hash()}"
     if os.environ.get("DSV4_TEST_EXPORT_DIR"):
         cache = Path(os.environ["DSV4_TEST_EXPORT_DIR"])
-    elif not (cache / "config.json").is_file():
-        tmp = tmp_path_factory.mktemp("export")
-        export_model(tiny_model(), tiny_cfg(), tmp, **EXPORT_ARGS, progress=print)
-        if cache.exists():
-            shutil.rmtree(cache)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, cache)
+    else:
+        cache = cached_export("export-model",
+                              lambda out: export_model(tiny_model(), tiny_cfg(), out, **EXPORT_ARGS, progress=print),
+                              [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
     cfg = json.loads((cache / "config.json").read_text())
     mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], cache / cfg["parameters"])
     return {"dir": cache, "config": cfg, "module": mod, "model": tiny_model()}

@@ -102,15 +102,29 @@ def test_every_hot_spot_has_an_op():
 
 
 def test_eager_reference_untouched_without_override():
+    """Without an override a hook is its torch reference (the undecorated function in HOOKS, called
+    with the module's own arguments); with one installed the call goes to it, and leaves no trace."""
     for name, (make, args, _) in CASES.items():
         m = make().eval()
+        seen = []
+
+        def spy(*a, **kw):
+            seen.append((a, kw))
+            return mk.HOOKS[name](*a, **kw)
+
         with torch.no_grad():
             a = m(*args)
-            with use_kernels({name: "reference"}):
+            with mk.overrides({name: spy}):
                 b = m(*args)
-        assert torch.equal(a, b), name
+            assert len(seen) == 1, name  # the hook dispatches to an installed override
+            ref = mk.HOOKS[name](*seen[0][0], **seen[0][1])
+            with mk.overrides({name: lambda *a, **kw: torch.zeros(())}):
+                assert torch.equal(m(*args), torch.zeros(())), name
+            c = m(*args)
+        assert torch.equal(a, ref) and torch.equal(b, ref) and torch.equal(c, ref), name
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_op_compiled_vs_reference(name, tmp_path):
     from iree.turbine import aot
@@ -151,6 +165,7 @@ def _fwd(n: int):
     return ns["f"]
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_fp8_block_linear_fnuz_for_gfx942_and_cuda(tmp_path):
     """gfx942 gets e4m3fnuz weights (fp8_fn_to_fnuz), cuda keeps e4m3fn; both compile because the
     kernel decodes fp8 bytes with integer ops (cuda cannot lower fp8 -> f32 extf)."""
@@ -185,6 +200,7 @@ def test_unknown_choice_is_rejected():
             pass
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
 def test_export_topk_and_argmax_compile_for_every_target(tmp_path):
     """The export's top-k (argmax chain) and argmax (max + float min-index) compile for llvm-cpu,
     gfx942 and cuda (aten.argmax and int64 min reductions fail to distribute on the GPU backends)

@@ -9,8 +9,8 @@ ratio-16 entries three times), on fp32 logits of magnitude ~2:
 - bf16 (the reference dtype): no fixed bound. bf16 noise (~4e-3 relative per matmul) flips discrete
   decisions of a random-weight model (MoE top-k experts, indexer top-k entries) and one flip moves a
   position's logits by ~0.5 -- between the fp32 and bf16 runs of ONE path too (measured 0.53). So the
-  bf16 test is self-calibrated: two bf16 paths may differ by no more than bf16 itself moves one path
-  (median over positions, x2); a path bug is far larger than rounding noise.
+  bf16 test is self-calibrated: at every quantile over positions, two bf16 paths may differ by no more
+  than bf16 itself moves one path; a path bug is far larger than rounding noise.
 """
 
 import pytest
@@ -147,7 +147,7 @@ def test_greedy_generation_same_with_chunked_prompt(case):
     name, model, toks, full, tol = case
     a = greedy(model, toks[:21].tolist(), 12)
     b = greedy(model, toks[:21].tolist(), 12, chunk=4)
-    assert len(a) == 12 and (a == b or name != "fp32")
+    assert len(a) == 12 and a == b  # both cases: logits agree to 1e-4 / 5e-3, far below the top-2 gaps
 
 
 def test_bf16_paths_agree_within_bf16_noise():
@@ -158,11 +158,15 @@ def test_bf16_paths_agree_within_bf16_noise():
         model = init_random(Transformer(cfg, dtype=dt), seed=0, std=0.05).eval()
         runs[dt, "full"] = run_chunks(model, toks, [0, S])[0]
         runs[dt, "decode"] = run_chunks(model, toks, [0, 13] + list(range(14, S + 1)))[0]
-    med = lambda a, b: (a - b).abs().amax(-1).median().item()  # noqa: E731
-    noise = med(runs[torch.float32, "full"], runs[torch.bfloat16, "full"])
-    path = med(runs[torch.bfloat16, "full"], runs[torch.bfloat16, "decode"])
-    print(f"\n[consistency] bf16 prefill+decode vs prefill: median {path:.3g} (bf16 vs fp32 of one path: {noise:.3g})")
-    assert path <= 2 * noise
+    per_pos = lambda a, b: (a - b).abs().amax(-1).sort().values  # noqa: E731  (sorted max|diff| per position)
+    noise = per_pos(runs[torch.float32, "full"], runs[torch.bfloat16, "full"])
+    path = per_pos(runs[torch.bfloat16, "full"], runs[torch.bfloat16, "decode"])
+    print(f"\n[consistency] bf16 prefill+decode vs prefill: median/90%/max {path.median():.3g}/{path.quantile(0.9):.3g}/"
+          f"{path.max():.3g} (bf16 vs fp32 of one path: {noise.median():.3g}/{noise.quantile(0.9):.3g}/{noise.max():.3g})")
+    # every quantile, not the median: the k-th largest path difference is at most the k-th largest
+    # bf16 rounding effect (measured: at most 0.81 of it, at the maximum), so a bug on even one
+    # position beyond bf16's own largest effect fails, as does one on 10 % of them beyond its 90 %
+    assert bool((path <= noise).all()), (path / noise).max()
 
 
 def test_greedy_rejects_bad_requests():

@@ -1,6 +1,7 @@
 """torch.export accepts the model's prefill (dynamic T) and decode (T = 1) call shapes, and the
 exported prefill computes what eager computes (so the graph, not only the trace, is right)."""
 
+import pytest
 import torch
 
 from dsv4.model.config import ModelConfig
@@ -17,6 +18,7 @@ class Entry(torch.nn.Module):
         return self.model(tokens, start_pos, lengths, slots, state)
 
 
+@pytest.mark.slow  # traces the tiny model with torch.export (minutes)
 def test_torch_export_prefill_and_decode():
     cfg = ModelConfig.preset("tiny")
     model = init_random(Transformer(cfg, dtype=torch.float32), seed=0).eval()

@@ -254,7 +254,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     prefill with a length-0 row, a decode batch with padding rows and a single decode. About 3-6
     minutes on the shared 2-core box (3 traced programs + llvm-cpu compile)."""
     from dsv4.export.exporter import export_model
-    from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
+    from dsv4.runtime.module import IreeModule, ensure_runtime_flags
     from dsv4.model.kernels import moe as moe_mod
     from dsv4.model.kernels.topk import topk_impl
 
