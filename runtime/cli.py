@@ -62,6 +62,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # `bench OUT ...` / `bench serve URL ...` parse their own arguments
+        return __import__("dsv4.runtime.bench", fromlist=["main"]).main(argv[1:])
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 as a compiled IREE pipeline")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eager", help="greedy continuation with the eager PyTorch model")
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_checkpoint)
     __import__("dsv4.runtime.commands", fromlist=["add_parsers"]).add_parsers(sub)  # generate, score
+    __import__("dsv4.runtime.bench", fromlist=["add_parser"]).add_parser(sub)  # bench OUT / bench serve URL
     __import__("runpy").run_path(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "export" / "cli.py"))["add_parser"](sub)  # export: loaded by path so torch/turbine load only when it runs
     args = p.parse_args(argv)
     try:
