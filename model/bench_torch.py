@@ -68,7 +68,7 @@ def load_export_model(export_dir: str | Path, device: str = "cpu") -> tuple[Tran
 
 
 class TorchBackend:
-    """`torch-eager` or `torch-compile` (mode default, static shapes) on the torch device of `device`."""
+    """`torch-eager` or `torch-compile` (mode default) on the torch device of `device`."""
 
     def __init__(self, export_dir: str | Path, name: str, device: str, n_slots: int):
         if name not in ("torch-eager", "torch-compile"):
@@ -85,11 +85,12 @@ class TorchBackend:
         if name == "torch-compile":
             import torch._dynamo as dynamo
 
-            # one static graph per (function, batch, T); the default limit of 8 would fall back to eager
+            # torch.compile as a user calls it (mode default, automatic dynamic shapes: a second batch
+            # size recompiles once with a dynamic batch); a higher recompile limit so it never falls back to eager
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
-            self.fn = torch.compile(self.model, dynamic=False)
+            self.fn = torch.compile(self.model)
 
     def _run(self, tokens, start, lengths, slots) -> np.ndarray:
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731

@@ -312,8 +312,12 @@ def make_plan(args: argparse.Namespace, cfg: Any) -> Plan:
                 cfg.n_slots, notes)
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure everything the arguments ask for; returns the JSON report."""
+def _stderr(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stderr) -> dict[str, Any]:
+    """Measure everything the arguments ask for (one line per result to `progress`); returns the report."""
     from .engine import ExportConfig
 
     cfg = ExportConfig.load(args.export_dir)
@@ -324,6 +328,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     gpu = not args.device.startswith("local")
     mib = args.copy_mib or (1024 if gpu else 64)
     bw = copy_bandwidth(eng.hal_device, mib << 20)
+    progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
     params = parameter_sizes(eng.parameters_path)
 
     backends: list[Backend] = [iree_be]
@@ -335,6 +340,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     decode, ttft = [], []
     for be in backends:
         ttft.append(measure_ttft(be, plan, vocab))
+        progress(f"{be.name} TTFT {ttft[-1]['ttft_ms']:.2f} ms ({plan.prefill_tokens} tokens)")
         for c in plan.contexts:
             for b in plan.batches:
                 row = measure(be, plan, b, c, vocab)
@@ -344,6 +350,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 row["roofline_ms"] = 1e3 * need["total"] / (bw * 1e9)
                 row["roofline_pct"] = 100 * row["roofline_ms"] / row["ms_per_step"]
                 decode.append(row)
+                progress(f"{be.name} batch {b} context {c}: {row['ms_per_step']:.3f} ms/step, "
+                         f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
 
     if args.no_profile:
         profile: dict[str, Any] = {"available": False, "why": "--no-profile"}
