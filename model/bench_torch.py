@@ -1,6 +1,5 @@
 """The torch side of `dsv4 bench`: the export's own weights in the eager model, eager or torch.compile'd,
-behind the same two calls the timing protocol (dsv4.runtime.bench) uses for the compiled module; and a
-CUPTI kernel trace for the per-dispatch profile.
+behind the same two calls the timing protocol (dsv4.runtime.bench) uses for the compiled module.
 
 The weights are read from the export's .irpa (the tensors the vmfb runs), so every backend runs the
 same numbers: the model is rebuilt from config.json's model section with the stored formats (FP8
@@ -11,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from .config import ModelConfig
 from .model import Transformer
 from .state import new_state
 
-__all__ = ["load_export_model", "TorchBackend", "cupti_kernel_times", "TORCH_DEVICE"]
+__all__ = ["load_export_model", "TorchBackend", "TORCH_DEVICE"]
 
 # IREE driver -> torch device (ROCm torch calls its GPUs cuda too)
 TORCH_DEVICE = {"cuda": "cuda", "hip": "cuda", "local-task": "cpu", "local-sync": "cpu"}
@@ -103,27 +102,3 @@ class TorchBackend:
 
     def decode(self, tokens, start, slots) -> np.ndarray:
         return self._run(tokens, start, np.ones(len(slots), np.int64), slots)
-
-
-def cupti_kernel_times(run: Callable[[], None], steps: int = 16) -> list[tuple[str, float, int]]:
-    """(kernel name, total ms, launches) of every GPU kernel `steps` calls of `run` launch, from CUPTI
-    through torch.profiler; kernels launched by another library in this process (IREE's CUDA HAL)
-    are recorded too. Raises when the trace holds no kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()  # warm-up outside the trace
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    acc: dict[str, list[float]] = {}
-    for ev in prof.events():
-        dev_us = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0
-        if str(getattr(ev, "device_type", "")).endswith("CUDA") and dev_us > 0:
-            a = acc.setdefault(ev.name, [0.0, 0])
-            a[0] += dev_us / 1e3
-            a[1] += 1
-    if not acc:
-        raise RuntimeError("CUPTI recorded no kernel")
-    return [(n, t, c) for n, (t, c) in acc.items()]

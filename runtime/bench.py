@@ -5,7 +5,7 @@
 
 Reports decode ms/step and tokens/s per batch and context length, prefill tokens/s, time to first
 token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
-where the driver allows, the top dispatches by time. This module imports only numpy and
+where the driver allows, the top dispatches by time (IREE's HAL profiling). This module imports only numpy and
 iree.runtime; the torch backends (`dsv4.model.bench_torch`) load only when --compare names them.
 
 One protocol for every backend (`measure`), so the numbers are comparable:
@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
-           "add_parser", "TORCH_BACKENDS", "BenchError"]
+           "add_parser", "TORCH_BACKENDS", "BenchError", "dispatch_profile"]
 
 TORCH_BACKENDS = ("torch-eager", "torch-compile")
 
@@ -210,27 +210,62 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
 
 
 # --------------------------------------------------------------------------------------------
-# per-dispatch profile
-def dispatch_profile(run: Callable[[], None], device: str, steps: int) -> dict[str, Any]:
-    """Top 10 kernels by time over `steps` calls of `run`, where the driver allows it: on cuda through
-    CUPTI (torch.profiler records every kernel launched in the process, IREE's included)."""
-    if device != "cuda":
-        return {"available": False, "why": f"no per-dispatch timing on {device} without a Tracy-enabled IREE "
-                                           "runtime (the iree-base-runtime wheel has none)"}
-    try:
-        from dsv4.model.bench_torch import cupti_kernel_times
-    except ImportError as e:
-        return {"available": False, "why": f"needs torch for CUPTI ({e})"}
-    try:
-        kernels = cupti_kernel_times(run, steps)
-    except Exception as e:  # CUPTI may be unavailable or busy (e.g. under another profiler)
-        return {"available": False, "why": f"CUPTI trace failed: {e}"}
-    total = sum(t for _, t, _ in kernels)
-    top = sorted(kernels, key=lambda x: -x[1])[:10]
-    return {"available": True, "via": "CUPTI (torch.profiler)", "steps": steps,
-            "kernels_per_step": sum(c for _, _, c in kernels) / steps, "gpu_ms_per_step": total / steps,
-            "top": [{"name": n, "ms_per_step": t / steps, "calls_per_step": c / steps,
-                     "share": t / total if total else 0.0} for n, t, c in top]}
+# per-dispatch profile: IREE's HAL-native profiling (3.13), through the runtime wheel's own tools
+# (the Python bindings do not expose a profile sink): iree-benchmark-module runs decode_bs{B} with
+# --device_profiling_mode, iree-profile reads the bundle back.
+PROFILE_MODES = {"cuda": "dispatch-events", "hip": "dispatch-events", "local-task": "host-execution",
+                 "local-sync": "host-execution"}
+_SPLAT_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int64": "i64", "int32": "i32",
+                "float8_e4m3fn": "f8E4M3FN", "float8_e4m3fnuz": "f8E4M3FNUZ", "uint8": "i8", "int8": "i8"}
+
+
+def _tool(name: str) -> Path:
+    import iree._runtime_libs as libs
+
+    return Path(libs.__file__).parent / name
+
+
+def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: int, workdir: Path) -> dict[str, Any]:
+    """Top 10 dispatches by time of `steps` decode_bs{batch} calls at `position` (zero state: every
+    read is masked by position, the work is the same), or why that is unavailable."""
+    import subprocess
+
+    mode = PROFILE_MODES.get(device)
+    cfg = eng.config
+    bad = [s.dtype for s in cfg.state if s.dtype not in _SPLAT_TYPES]
+    if mode is None or bad:
+        return {"available": False, "why": f"no HAL profiling mode for {device}" if mode is None
+                else f"state dtype(s) {bad} have no iree-benchmark-module splat type"}
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.save(workdir / "slots.npy", np.arange(batch, dtype=np.int64))
+    prof = workdir / "decode.ireeprof"
+    inputs = [f"--input={batch}x1xi64=3", f"--input={batch}xi64={position}", f"--input={batch}xi64=1",
+              f"--input=@{workdir / 'slots.npy'}"]
+    inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]
+    uri = device if device.startswith("local") else f"{device}://0"
+    cmd = [str(_tool("iree-benchmark-module")), f"--module={eng.vmfb_path}",
+           f"--parameters=model={eng.parameters_path}", f"--device={uri}", f"--function=decode_bs{batch}",
+           *inputs, f"--benchmark_min_time={steps}x", f"--device_profiling_mode={mode}",
+           f"--device_profiling_output={prof}"]
+    if eng.target == "llvm-cpu":
+        cmd.append("--task_worker_stack_size=1048576")
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
+        return {"available": False, "why": f"iree-benchmark-module failed: {last[:300]}"}
+    rep = subprocess.run([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)],
+                         capture_output=True, text=True)
+    groups = [json.loads(line) for line in rep.stdout.splitlines() if line.startswith("{")]
+    groups = [g for g in groups if g.get("type") in ("dispatch_group", "host_dispatch_group")]
+    if rep.returncode != 0 or not groups:
+        return {"available": False, "why": f"{device} recorded no dispatch timings in {mode} mode"}
+    calls = min(g["count"] for g in groups)  # every dispatch of the function runs at least once a call
+    total = sum(g["total_ns"] for g in groups)
+    top = sorted(groups, key=lambda g: -g["total_ns"])[:10]
+    return {"available": True, "via": f"IREE HAL profiling ({mode})", "batch": batch, "calls": calls,
+            "dispatches_per_step": sum(g["count"] for g in groups) / calls, "device_ms_per_step": total / calls / 1e6,
+            "top": [{"name": g["key"], "ms_per_step": g["total_ns"] / calls / 1e6,
+                     "calls_per_step": g["count"] / calls, "share": g["total_ns"] / total} for g in top]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,11 +391,12 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     if args.no_profile:
         profile: dict[str, Any] = {"available": False, "why": "--no-profile"}
     else:
-        b = max(plan.batches)
-        pos = np.full(b, plan.contexts[-1] - 1, np.int64)
-        tok, slots = np.full((b, 1), 3, np.int64), np.arange(b, dtype=np.int64)
-        profile = dispatch_profile(lambda: iree_be.decode(tok, pos, slots), args.device, plan.steps)
-        profile["batch"] = b
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="dsv4_bench_") as tmp:
+            profile = dispatch_profile(eng, args.device, max(plan.batches), plan.contexts[-1] - 1, plan.steps,
+                                       Path(tmp))
+        progress("per-dispatch profile: " + ("done" if profile["available"] else profile["why"]))
     m = cfg.model
     return {
         "export": str(cfg.directory), "device": args.device, "export_id": cfg.export_id,
@@ -395,8 +431,8 @@ def print_table(rep: dict[str, Any], out=sys.stdout) -> None:
     if not p["available"]:
         w(f"per-dispatch profile: unavailable ({p['why']})")
     else:
-        w(f"per-dispatch profile, decode batch {p['batch']}, via {p['via']}: {p['kernels_per_step']:.0f} kernels "
-          f"and {p['gpu_ms_per_step']:.3f} ms of GPU time per step; top 10:")
+        w(f"per-dispatch profile, decode batch {p['batch']}, via {p['via']}, {p['calls']} calls: "
+          f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per step; top 10:")
         for k in p["top"]:
             w(f"  {k['ms_per_step']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls_per_step']:<4.0f} {k['name'][:100]}")
     for n in rep["notes"]:
