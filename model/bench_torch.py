@@ -53,10 +53,7 @@ def load_export_model(export_dir: str | Path, device: str = "cpu") -> tuple[Tran
     tensors = _irpa_tensors(d / raw["parameters"])
     quantized = any(t.dtype in (torch.float8_e4m3fn, torch.uint8) for n, t in tensors.items()
                     if n.endswith(("weight", "w1", "w2", "w3")))
-    from .checkpoint import _no_param_init
-
-    with _no_param_init():
-        model = Transformer(cfg, dtype=dtype, quantized=quantized)
+    model = Transformer(cfg, dtype=dtype, quantized=quantized)  # (not via checkpoint.py: it needs safetensors)
     want = model.state_dict()
     for name, t in tensors.items():
         if name in want and want[name].dtype != t.dtype:
