@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEED = 0
-EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 2), decode_batch_sizes=(1, 2), n_slots=2, max_chunk=16,
+EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 2), decode_batch_sizes=(1, 2), n_slots=2, max_chunk=32,
                    score=False)
 
 
@@ -128,7 +128,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     assert dtype == torch.float32 and set(got) == set(ref)
     for k, v in ref.items():
         assert torch.equal(got[k], v), k
-    tokens = (np.arange(2 * 16).reshape(2, 16) * 5 + 1) % 512
+    tokens = (np.arange(2 * 16).reshape(2, 16) * 5 + 1) % 512  # T=16 >= prefill min_tokens
     args = (tokens, np.zeros(2, np.int64), np.array([16, 11]), np.arange(2))
     iree_first = IreeBackend(bench_export, "local-task").prefill(*args)
     torch_first = TorchBackend(bench_export, "torch-eager", "local-task", 2).prefill(*args)
