@@ -71,6 +71,11 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] != ["serve"]:  # `bench OUT ...` parses its own arguments
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 as a compiled IREE pipeline")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eager", help="greedy continuation with the eager PyTorch model")

@@ -104,7 +104,8 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.set_defaults(fn=cmd_serve)
 
-    b = subparsers.add_parser("bench", help="benchmarks against a running server (bench serve -h)")
+    b = subparsers.add_parser("bench", help="speed of an export vs torch (dsv4 bench OUT -h) or of a running "
+                                             "server (dsv4 bench serve -h)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     bs = bsub.add_parser("serve", help="TTFT / TPOT / ITL / latency / throughput of a running server, "
                                        "like `vllm bench serve`")

@@ -1,0 +1,177 @@
+"""`dsv4 bench`: the report's structure and arithmetic on a tiny export (local-task), the roofline's
+byte count against a hand count, the torch side's weights against the model the export was made
+from, and clear errors for bad arguments."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEED = 0
+EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 2), decode_batch_sizes=(1, 2), n_slots=2, max_chunk=32,
+                   score=False)
+
+
+def _tiny_model():
+    import torch
+
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer, init_random
+
+    cfg = ModelConfig.preset("tiny")
+    return cfg, init_random(Transformer(cfg, dtype=torch.float32), seed=SEED).eval()
+
+
+def _source_hash() -> str:
+    import iree.compiler
+
+    h = hashlib.sha256()
+    for f in sorted([*(REPO / "model").glob("*.py"), *(REPO / "model" / "kernels").glob("*.py"),
+                     *(REPO / "export").glob("*.py")]):
+        h.update(f.relative_to(REPO).as_posix().encode())
+        h.update(f.read_bytes())
+    h.update(repr((SEED, sorted(EXPORT_ARGS.items()))).encode())
+    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def bench_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset for llvm-cpu, decode/prefill bs 1 and 2 (a few minutes on 2 cores; cached
+    under .cache/ keyed by the sources)."""
+    exporter = pytest.importorskip("dsv4.export.exporter", reason="exporter not available")
+    cache = REPO / ".cache" / f"bench-tiny-{_source_hash()}"
+    if not (cache / "config.json").is_file():
+        cfg, model = _tiny_model()
+        tmp = tmp_path_factory.mktemp("bench_export")
+        exporter.export_model(model, cfg, tmp, **EXPORT_ARGS)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.copytree(tmp, cache)
+    return cache
+
+
+def _bench(capsys, *argv: str) -> tuple[int, str, str]:
+    from dsv4.runtime.cli import main
+
+    rc = main(["bench", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None:
+    steps, warmup, ctx = 4, 1, 40
+    rc, out, err = _bench(capsys, str(bench_export), "--batch", "1,2", "--context", f"{ctx},100000",
+                          "--prefill", "20", "--steps", str(steps), "--warmup", str(warmup),
+                          "--compare", "torch-eager", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert {"export", "device", "model", "settings", "copy_bandwidth_gbps", "decode", "ttft", "profile",
+            "notes"} <= set(rep)
+    assert rep["copy_bandwidth_gbps"] > 0
+    assert any("100000" in n and "max_seq_len 256" in n for n in rep["notes"])  # over the export's context
+    backends = ["iree local-task", "torch-eager (cpu)"]
+    assert [(r["backend"], r["batch"], r["context"]) for r in rep["decode"]] == \
+        [(b, n, ctx) for b in backends for n in (1, 2)]
+    for r in rep["decode"]:
+        assert r["ms_per_step"] > 0 and r["prefill_s"] > 0 and r["roofline_bytes"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1000 / r["ms_per_step"], rel=1e-12)
+        assert r["prefill_tokens"] == r["batch"] * (ctx - steps - warmup)
+        assert r["prefill_tokens_per_s"] == pytest.approx(r["prefill_tokens"] / r["prefill_s"], rel=1e-12)
+        assert r["roofline_ms"] == pytest.approx(1e3 * r["roofline_bytes"] / (rep["copy_bandwidth_gbps"] * 1e9))
+        assert r["roofline_pct"] == pytest.approx(100 * r["roofline_ms"] / r["ms_per_step"])
+    # the same bytes per (batch, context) on every backend; more rows read more
+    by = {(r["backend"], r["batch"]): r["roofline_bytes"] for r in rep["decode"]}
+    assert by[(backends[0], 1)] == by[(backends[1], 1)] < by[(backends[0], 2)]
+    assert [t["backend"] for t in rep["ttft"]] == backends
+    for t in rep["ttft"]:
+        assert t["prompt_tokens"] == 20 and t["ttft_ms"] > 0
+        assert t["prefill_tokens_per_s"] == pytest.approx(20 / (t["ttft_ms"] / 1e3))
+    prof = rep["profile"]  # IREE's HAL profiling of decode_bs2 (host-execution on local-task)
+    assert prof["available"], prof.get("why")
+    assert prof["batch"] == 2 and prof["calls"] >= steps and 0 < len(prof["top"]) <= 10
+    assert all(k["name"].startswith("decode_bs2$") and k["ms_per_step"] > 0 for k in prof["top"])
+    times = [k["ms_per_step"] for k in prof["top"]]
+    assert times == sorted(times, reverse=True) and sum(times) <= prof["device_ms_per_step"] * (1 + 1e-9)
+    assert sum(k["share"] for k in prof["top"]) <= 1 + 1e-9
+
+
+def test_bench_table_and_plot(bench_export: Path, capsys, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    rc, out, err = _bench(capsys, str(bench_export), "--batch", "1", "--context", "24", "--steps", "2",
+                          "--warmup", "1", "--prefill", "16", "--plot", str(png))
+    assert rc == 0, err
+    assert "ms/step" in out and "% roofline" in out and "TTFT" in out and "per-dispatch profile, decode batch 1" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
+    """The torch backends hold exactly the tensors the export was made from, and the compiled module
+    and the eager model pick the same next token after the same prompt."""
+    import torch
+
+    from dsv4.model.bench_torch import TorchBackend, load_export_model
+    from dsv4.runtime.bench import IreeBackend
+
+    model, _, dtype = load_export_model(bench_export)
+    ref = _tiny_model()[1].state_dict()
+    got = model.state_dict()
+    assert dtype == torch.float32 and set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    tokens = (np.arange(2 * 16).reshape(2, 16) * 5 + 1) % 512  # T=16 >= prefill min_tokens
+    args = (tokens, np.zeros(2, np.int64), np.array([16, 11]), np.arange(2))
+    iree_first = IreeBackend(bench_export, "local-task").prefill(*args)
+    torch_first = TorchBackend(bench_export, "torch-eager", "local-task", 2).prefill(*args)
+    np.testing.assert_array_equal(iree_first, torch_first)
+
+
+def test_step_bytes_matches_a_hand_count() -> None:
+    from dsv4.runtime.bench import step_bytes
+    from dsv4.runtime.engine import StateSpec
+
+    model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
+    params = {"embed.weight": 100 * 10 * 2, "layers.0.ffn.experts.w1": 8 * 1000, "layers.0.attn.wq": 500,
+              "mtp.0.attn.wq": 999, "layers.0.ffn.gate.tid2eid": 100 * 2 * 8}
+    state = [StateSpec("win_kv", (4, 2, 8, 16), "float32"),       # whole window per slot
+             StateSpec("kv_r16", (4, 1, 65, 16), "float32"),      # max_seq 1024 / 16 + 1 rows
+             StateSpec("kv_r4", (4, 1, 257, 16), "float32"),      # top-k rows of the CSA cache
+             StateSpec("idx_kv_r4", (4, 1, 257, 8), "float32")]   # indexer keys up to the context
+    b, ctx = 3, 512
+    got = step_bytes(model, params, state, b, ctx, 1024)
+    experts = 8 * (1 - (1 - 2 / 8) ** 3)
+    weights = 3 * 20 + 1000 * experts + 500 + 3 * 16
+    st = b * 4 * (2 * 8 * 16 + (512 // 16) * 16 + 4 * 16 + (512 // 4) * 8)
+    assert got["weights"] == pytest.approx(weights)
+    assert got["state"] == pytest.approx(st)
+    assert got["total"] == pytest.approx(weights + st)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--batch", "3"], "batch size(s) 3 not exported"),
+    (["--context", "4"], "context 4 leaves no prefill"),
+    (["--context", "100000"], "every --context is over max_seq_len 256"),
+    (["--steps", "0"], "--steps must be > 0"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_bench_bad_arguments(bench_export: Path, capsys, argv: list[str], match: str) -> None:
+    rc, _, err = _bench(capsys, str(bench_export), *argv)
+    assert rc == 2 and match in err and "Traceback" not in err
+
+
+def test_bench_bad_arguments_without_export(capsys, tmp_path: Path) -> None:
+    rc, _, err = _bench(capsys, str(tmp_path / "missing"))
+    assert rc == 2 and "does not exist" in err
+    for argv, match in ((["--compare", "tf"], "unknown backend(s) tf"), (["--batch", "1,x"], "comma-separated")):
+        with pytest.raises(SystemExit) as e:
+            _bench(capsys, str(tmp_path), *argv)
+        assert e.value.code == 2 and match in capsys.readouterr().err
