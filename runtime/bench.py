@@ -71,7 +71,7 @@ class Plan:
 def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int) -> np.ndarray:
     """Prefill rows 0..rows-1 with n_tokens tokens each (same calls for every backend); returns the
     argmax at each row's last token."""
-    from .engine import pad_rows, pick_batch_size
+    from .batching import pad_rows, pick_batch_size
 
     last = np.zeros(rows, np.int64)
     T = plan.chunk
@@ -353,7 +353,7 @@ def _stderr(msg: str) -> None:
 
 def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Measure everything the arguments ask for (one line per result to `progress`); returns the report."""
-    from .engine import ExportConfig
+    from .artifact import ExportConfig
 
     cfg = ExportConfig.load(args.export_dir)
     plan = make_plan(args, cfg)

@@ -4,9 +4,7 @@ from, and clear errors for bad arguments."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,48 +13,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SEED = 0
-EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 2), decode_batch_sizes=(1, 2), n_slots=2, max_chunk=32,
-                   score=False)
-
-
-def _tiny_model():
-    import torch
-
-    from dsv4.model.config import ModelConfig
-    from dsv4.model.model import Transformer, init_random
-
-    cfg = ModelConfig.preset("tiny")
-    return cfg, init_random(Transformer(cfg, dtype=torch.float32), seed=SEED).eval()
-
-
-def _source_hash() -> str:
-    import iree.compiler
-
-    h = hashlib.sha256()
-    for f in sorted([*(REPO / "model").glob("*.py"), *(REPO / "model" / "kernels").glob("*.py"),
-                     *(REPO / "export").glob("*.py")]):
-        h.update(f.relative_to(REPO).as_posix().encode())
-        h.update(f.read_bytes())
-    h.update(repr((SEED, sorted(EXPORT_ARGS.items()))).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
-    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
-def bench_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset for llvm-cpu, decode/prefill bs 1 and 2 (a few minutes on 2 cores; cached
-    under .cache/ keyed by the sources)."""
-    exporter = pytest.importorskip("dsv4.export.exporter", reason="exporter not available")
-    cache = REPO / ".cache" / f"bench-tiny-{_source_hash()}"
-    if not (cache / "config.json").is_file():
+def bench_export() -> Path:
+    """The runtime tests' tiny export (tiny preset, fp32, llvm-cpu, prefill/decode bs 1 and 4; cached
+    under .cache/ by tests/conftest.py): one export serves both files."""
+    from conftest import cached_export
+    from test_runtime import TINY_EXPORT_ARGS, TINY_SEED, _tiny_model
+
+    from dsv4.export.exporter import export_model
+
+    def build(out: Path) -> None:
         cfg, model = _tiny_model()
-        tmp = tmp_path_factory.mktemp("bench_export")
-        exporter.export_model(model, cfg, tmp, **EXPORT_ARGS)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(cache, ignore_errors=True)
-        shutil.copytree(tmp, cache)
-    return cache
+        export_model(model, cfg, out, **TINY_EXPORT_ARGS)
+
+    return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
 
 
 def _bench(capsys, *argv: str) -> tuple[int, str, str]:
@@ -69,7 +41,7 @@ def _bench(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None:
     steps, warmup, ctx = 4, 1, 40
-    rc, out, err = _bench(capsys, str(bench_export), "--batch", "1,2", "--context", f"{ctx},100000",
+    rc, out, err = _bench(capsys, str(bench_export), "--batch", "1,4", "--context", f"{ctx},100000",
                           "--prefill", "20", "--steps", str(steps), "--warmup", str(warmup),
                           "--compare", "torch-eager", "--json")
     assert rc == 0, err
@@ -80,7 +52,7 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
     assert any("100000" in n and "max_seq_len 256" in n for n in rep["notes"])  # over the export's context
     backends = ["iree local-task", "torch-eager (cpu)"]
     assert [(r["backend"], r["batch"], r["context"]) for r in rep["decode"]] == \
-        [(b, n, ctx) for b in backends for n in (1, 2)]
+        [(b, n, ctx) for b in backends for n in (1, 4)]
     for r in rep["decode"]:
         assert r["ms_per_step"] > 0 and r["prefill_s"] > 0 and r["roofline_bytes"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1000 / r["ms_per_step"], rel=1e-12)
@@ -90,15 +62,15 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
         assert r["roofline_pct"] == pytest.approx(100 * r["roofline_ms"] / r["ms_per_step"])
     # the same bytes per (batch, context) on every backend; more rows read more
     by = {(r["backend"], r["batch"]): r["roofline_bytes"] for r in rep["decode"]}
-    assert by[(backends[0], 1)] == by[(backends[1], 1)] < by[(backends[0], 2)]
+    assert by[(backends[0], 1)] == by[(backends[1], 1)] < by[(backends[0], 4)]
     assert [t["backend"] for t in rep["ttft"]] == backends
     for t in rep["ttft"]:
         assert t["prompt_tokens"] == 20 and t["ttft_ms"] > 0
         assert t["prefill_tokens_per_s"] == pytest.approx(20 / (t["ttft_ms"] / 1e3))
-    prof = rep["profile"]  # IREE's HAL profiling of decode_bs2 (host-execution on local-task)
+    prof = rep["profile"]  # IREE's HAL profiling of decode_bs4 (host-execution on local-task)
     assert prof["available"], prof.get("why")
-    assert prof["batch"] == 2 and prof["calls"] >= steps and 0 < len(prof["top"]) <= 10
-    assert all(k["name"].startswith("decode_bs2$") and k["ms_per_step"] > 0 for k in prof["top"])
+    assert prof["batch"] == 4 and prof["calls"] >= steps and 0 < len(prof["top"]) <= 10
+    assert all(k["name"].startswith("decode_bs4$") and k["ms_per_step"] > 0 for k in prof["top"])
     times = [k["ms_per_step"] for k in prof["top"]]
     assert times == sorted(times, reverse=True) and sum(times) <= prof["device_ms_per_step"] * (1 + 1e-9)
     assert sum(k["share"] for k in prof["top"]) <= 1 + 1e-9
@@ -123,13 +95,15 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     from dsv4.runtime.bench import IreeBackend
 
     model, _, dtype = load_export_model(bench_export)
+    from test_runtime import _tiny_model
+
     ref = _tiny_model()[1].state_dict()
     got = model.state_dict()
     assert dtype == torch.float32 and set(got) == set(ref)
     for k, v in ref.items():
         assert torch.equal(got[k], v), k
-    tokens = (np.arange(2 * 16).reshape(2, 16) * 5 + 1) % 512  # T=16 >= prefill min_tokens
-    args = (tokens, np.zeros(2, np.int64), np.array([16, 11]), np.arange(2))
+    tokens = (np.arange(4 * 16).reshape(4, 16) * 5 + 1) % 512  # T=16 >= prefill min_tokens
+    args = (tokens, np.zeros(4, np.int64), np.array([16, 11, 16, 5]), np.arange(4))
     iree_first = IreeBackend(bench_export, "local-task").prefill(*args)
     torch_first = TorchBackend(bench_export, "torch-eager", "local-task", 2).prefill(*args)
     np.testing.assert_array_equal(iree_first, torch_first)
@@ -137,7 +111,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
 
 def test_step_bytes_matches_a_hand_count() -> None:
     from dsv4.runtime.bench import step_bytes
-    from dsv4.runtime.engine import StateSpec
+    from dsv4.runtime.artifact import StateSpec
 
     model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
     params = {"embed.weight": 100 * 10 * 2, "layers.0.ffn.experts.w1": 8 * 1000, "layers.0.attn.wq": 500,
