@@ -239,7 +239,6 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
                 timings: dict[str, float], tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
     from iree.turbine import aot
 
-    from dsv4.model.kernels.topk import topk_impl
     from dsv4.model.state import state_spec
 
     entry = _Entry(model, state_names).eval()
@@ -272,7 +271,7 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
 
     from .model_kernels import use_kernels
 
-    with torch.no_grad(), topk_impl("argmax"), use_kernels(kernels), _no_stack_traces():
+    with torch.no_grad(), use_kernels(kernels), _no_stack_traces():
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:
@@ -304,7 +303,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
     parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
-    (export/model_kernels.py; default: every reference). Raises ExportError naming the failing
+    (export/model_kernels.py; default: each op's declared export implementation). Raises ExportError naming the failing
     stage (and op, when known). Returns the config.json dict
     and per-stage timings (seconds)."""
     _compat.apply()
@@ -316,12 +315,12 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", f"decode batch sizes {dec_bs} must be in [1, n_slots={n_slots}]")
     score_bs = [1] if score else []
     if kernels:
-        from .model_kernels import MODEL_OPS
+        from .model_kernels import kernel_help, resolve_choices
 
-        for op, impl in kernels.items():
-            if op != "*" and (op not in MODEL_OPS or impl not in MODEL_OPS[op].impl_names):
-                raise ExportError("validate", f"unknown kernel choice {op}={impl}; ops and implementations: "
-                                  + "; ".join(f"{n}: {'/'.join(o.impl_names)}" for n, o in MODEL_OPS.items()))
+        try:
+            resolve_choices(kernels)
+        except ValueError as e:
+            raise ExportError("validate", f"{e}. {kernel_help()}") from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()

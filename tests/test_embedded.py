@@ -27,7 +27,6 @@ import torch
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
 from dsv4.model.corpus import DOC_SEPARATOR
 from dsv4.model.generate import greedy
-from dsv4.model.kernels.topk import topk_impl
 from dsv4.model.state import new_state
 from dsv4.model.tokenizer import encode, load_tokenizer
 
@@ -171,8 +170,7 @@ def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp
     from dsv4.runtime.sampling import SamplingParams
 
     prompt = encode(tokenizer, EMBEDDED_PROMPT, bos=True)
-    with topk_impl("argmax"):  # the export's top-k tie-breaking
-        want = greedy(fp8_model, prompt, NEW_TOKENS)
+    want = greedy(fp8_model, prompt, NEW_TOKENS)  # same top-k tie rule as the export (topk.py)
     res = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     got = res.tokens
     text = engine.decode(got)
@@ -181,7 +179,7 @@ def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp
     assert len(got) == NEW_TOKENS
     if same < NEW_TOKENS:
         seq = torch.tensor([prompt + want[:same]])
-        with torch.no_grad(), topk_impl("argmax"):
+        with torch.no_grad():
             logits = fp8_model(seq, torch.tensor([0]), torch.tensor([seq.shape[1]]), torch.tensor([0]),
                                new_state(fp8_model.cfg, 1, fp8_model.dtype))[0].float()
         gap = float(logits.max() - logits[got[same]])
