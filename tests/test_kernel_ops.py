@@ -152,7 +152,8 @@ def test_op_compiled_vs_reference(name, tmp_path):
     aot.save_module_parameters(tmp_path / "p.irpa", model)
     fxb = aot.FxProgramsBuilder(model)
     T = torch.export.Dim("T", min=2, max=64)
-    impls = MODEL_OPS[name].impl_names
+    # topk's reference is a stable sort, which IREE 3.13 does not lower (aten.sort.stable): eager only
+    impls = [i for i in MODEL_OPS[name].impl_names if (name, i) != ("topk", "reference")]
     dyn = {f"a{i}": None if ax is None else {ax: T} for i, ax in enumerate(axes)}
     for impl in impls:
         with torch.no_grad(), use_kernels({name: impl}):

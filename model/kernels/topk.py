@@ -5,7 +5,8 @@ equal values are taken in ascending index order, i.e. exactly
 ``torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]``. -0.0 equals +0.0, -inf
 entries are ordinary (lowest) values, so a row with fewer than k finite entries fills the rest with
 the lowest-index -inf entries (callers that mask decide validity by position, see indexer.py).
-torch.topk itself breaks ties in an unspecified order, which is why the reference is a stable sort.
+torch.topk itself breaks ties in an unspecified order, which is why the reference is a stable sort
+(eager only: IREE 3.13 does not lower aten.sort.stable).
 
 Export uses ``topk_radix`` (implementation "radix"): IREE 3.13 returns wrong top-k *indices* when a
 topk/sort follows other work on a dynamic token dim (iree-notes §6, bug 6), and
