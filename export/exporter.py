@@ -101,12 +101,13 @@ class _Entry(nn.Module):
         return logits, first_argmax(logits)[:, 0]  # = argmax(-1); aten.argmax fails on gfx942
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
-        """prefill + the indices of every top-k in the graph (parity tests of iree-notes §6 bug 6)."""
+        """prefill + the indices of every top-k in the graph, then the scores each one ranked (parity
+        tests of iree-notes §6 bug 6: indices must be the exact top-k of the graph's own scores)."""
         from dsv4.model.kernels.topk import record_topk
 
         with record_topk() as rec:
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
-        return (logits, *[idx for _, idx in rec])
+        return (logits, *[idx for _, idx in rec], *[s for s, _ in rec])
 
     def score(self, tokens, start_pos, lengths, slots, state):
         logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)), all_logits=True)
@@ -301,7 +302,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  probe_topk: bool = False, kernels: Mapping[str, str] | None = None) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
-    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
+    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
     parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
     (export/model_kernels.py; default: each op's declared export implementation). Raises ExportError naming the failing
     stage (and op, when known). Returns the config.json dict
@@ -389,7 +390,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     for n in score_bs:
         functions[f"score_bs{n}"] = function_abi("score", state_names)
     if probe_topk:
-        functions["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk..."]}
+        functions["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk...", "topk_scores..."]}
     config = {
         "format": FORMAT,
         "version": VERSION,
