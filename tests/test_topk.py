@@ -11,14 +11,17 @@ transformers DeepseekV4 (index_topk 512, CSA ratio 4) is saved with save_pretrai
 loader, exported for llvm-cpu, and fed 2,560 tokens in 512-token prefill chunks, so the indexer
 really picks 512 of up to 640 visible compressed entries; every top-k of the last chunk (indexer and
 MoE gate of every layer, from the topk_probe entry point, which also returns the scores each
-ranked) must be exactly the tie-rule top-k of the graph's own scores, those scores must be eager's up
-to float32 summation order, a pick may differ from eager's only between near-tied scores, and the
-logits must agree. The same MLIR is compiled for gfx942 and cuda (sm_89) to show it lowers there.
+ranked) must be a top-k of the graph's own scores (k distinct entries, descending, nothing larger
+left out; up to ~3e-6 because the returned scores are a second evaluation), those scores must be
+eager's up to float32 summation order, a pick may differ from eager's only between near-tied scores
+(measured: 236 of 524,288 indexer picks, swapped pairs ~4e-7 apart), and the logits must agree.
+Exactness on exact ties is the job of the op tests above. The same MLIR is compiled for gfx942 and cuda (sm_89) to show it lowers there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -140,9 +143,10 @@ def _graph_hash() -> str:
     files = [ROOT / "model" / f for f in ("model.py", "config.py", "state.py", "checkpoint.py")]
     files += sorted((ROOT / "model" / "kernels").glob("*.py")) + sorted((ROOT / "model" / "kernels").glob("*.jinja"))
     files += [ROOT / "export" / f for f in ("exporter.py", "model_kernels.py", "kernel_op.py", "compile.py")]
-    files += [ROOT / "tests" / "test_hf_parity.py", Path(__file__)]
+    files += [ROOT / "tests" / "test_hf_parity.py"]
     for f in files:
         h.update(f.read_bytes())
+    h.update((inspect.getsource(_hf_checkpoint) + repr((CHUNK, OURS))).encode())
     return h.hexdigest()[:16]
 
 
@@ -201,20 +205,28 @@ def test_index_topk_512_compiled_equals_eager(k512):
         # the graph's scores are eager's up to float32 summation order (and masked at the same places)
         assert np.array_equal(np.isneginf(cs), np.isneginf(s)), f"top-k #{i}: masks differ"
         fin = np.isfinite(s)
-        tol = 1e-4 * max(1.0, float(np.abs(s[fin]).max()))
+        tol = 2e-5 * max(1.0, float(np.abs(s[fin]).max()))  # measured: |compiled - eager| <= 2.2e-6
         np.testing.assert_allclose(cs[fin], s[fin], atol=tol, rtol=0, err_msg=f"top-k #{i}")
-        # exact: the compiled indices are the tie-rule top-k of the graph's own scores (bug 6 returned
-        # the right values at wrong indices; this catches any wrong index)
-        assert np.array_equal(cidx, np.argsort(-cs, axis=-1, kind="stable")[..., :k]), f"top-k #{i}: not exact"
-        # against eager: a pick differs only between near-tied scores (within the score tolerance)
+        # a top-k of the graph's scores: k distinct entries, largest first, nothing left out that is
+        # larger than the smallest pick. The scores returned are a second evaluation of the graph's
+        # scores (IREE fuses the producer into each consumer), which may round differently by
+        # ~3e-6, so order and threshold hold up to that tolerance. Bug 6 put wrong entries there.
+        srt = np.sort(cidx, -1)
+        assert np.all(srt[..., 1:] != srt[..., :-1]), f"top-k #{i}: an entry picked twice"
+        v = np.take_along_axis(cs, cidx, -1)
+        assert np.all(np.diff(v, axis=-1) <= tol), f"top-k #{i}: picks not in descending order"
+        rest = cs.copy()
+        np.put_along_axis(rest, cidx, -np.inf, -1)
+        assert np.all(rest.max(-1) <= v.min(-1) + tol), f"top-k #{i}: a larger entry was left out"
+        # against eager: a pick differs only between near-tied scores
         d = cidx != ref
         flips += int(d.sum())
         gap = np.abs(np.take_along_axis(s, cidx, -1) - np.take_along_axis(s, ref, -1))
         assert np.all(gap[d] <= 2 * tol), f"top-k #{i}: a pick differs from eager beyond a near-tie"
         if k == 512:
             widest = max(widest, int(fin.sum(-1).max()))
-    print(f"[topk 512] {n} top-ks exact on the graph's scores; {flips} picks ordered differently from eager "
-          f"between near-tied scores; most visible entries {widest}")
+    print(f"[topk 512] {n} top-ks checked; {flips} picks ordered differently from eager between near-tied "
+          f"scores; most visible entries {widest}")
     assert widest > 512, widest  # the indexer really chose: more visible entries than it keeps
 
 
