@@ -44,6 +44,16 @@ def _batch_sizes(text: str) -> list[int]:
     return out
 
 
+class _KernelHelp(str):
+    """--kernel's help, derived from the kernel registry when argparse formats it (help % params),
+    so torch loads for `dsv4 export -h` only, never for `dsv4 --help`."""
+
+    def __mod__(self, params: object) -> str:
+        from dsv4.export.model_kernels import kernel_help
+
+        return kernel_help().replace("%", "%%") % params
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="export + compile the model to IREE (vmfb per target, .irpa, config.json)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,9 +78,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                    help="the reference's FP8/FP4 QAT simulations (default: the config's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed for --preset (default: 0)")
-    p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL",
-                   help="lowering of a hot spot, e.g. sparse_attention=kernel (ops: sparse_attention, "
-                        "indexer_scores, fp8_block_linear, mxfp4_linear, moe_experts; '*=kernel' for all); repeatable")
+    p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
     p.add_argument("--keep-mlir", action="store_true", help="keep model.mlir in the output directory")

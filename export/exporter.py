@@ -109,12 +109,13 @@ class _Entry(nn.Module):
         return logits, first_argmax(logits)[:, 0]  # = argmax(-1); aten.argmax fails on gfx942
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
-        """prefill + the indices of every top-k in the graph (parity tests of iree-notes §6 bug 6)."""
+        """prefill + the indices of every top-k in the graph, then the scores each one ranked (parity
+        tests of iree-notes §6 bug 6: indices must be the exact top-k of the graph's own scores)."""
         from dsv4.model.kernels.topk import record_topk
 
         with record_topk() as rec:
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
-        return (logits, *[idx for _, idx in rec])
+        return (logits, *[idx for _, idx in rec], *[s for s, _ in rec])
 
     def score(self, tokens, start_pos, lengths, slots, state):
         logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)), all_logits=True)
@@ -262,7 +263,6 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
                 timings: dict[str, float], tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
     from iree.turbine import aot
 
-    from dsv4.model.kernels.topk import topk_impl
     from dsv4.model.state import state_spec
 
     entry = _Entry(model, state_names).eval()
@@ -293,12 +293,9 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
     if probe_topk:
         programs.append(("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn))
 
-    from dsv4.model.kernels.moe import routed_moe
-
     from .model_kernels import use_kernels
 
-    # routed MoE by default (only the selected experts' packed weights); `kernels` may override it
-    with torch.no_grad(), topk_impl("argmax"), routed_moe(), use_kernels(kernels), _no_stack_traces():
+    with torch.no_grad(), use_kernels(kernels), _no_stack_traces():
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:
@@ -331,9 +328,9 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  force: bool = False) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
-    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices of every top-k)) for
+    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
     parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
-    (export/model_kernels.py; default: every reference). `force` replaces a non-empty `out_dir`
+    (export/model_kernels.py; default: each op's declared export implementation). `force` replaces a non-empty `out_dir`
     that is not a dsv4 export. Raises ExportError naming the failing stage (and op, when known);
     `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
     Returns the config.json dict and per-stage timings (seconds)."""
@@ -346,12 +343,12 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", f"decode batch sizes {dec_bs} must be in [1, n_slots={n_slots}]")
     score_bs = [1] if score else []
     if kernels:
-        from .model_kernels import MODEL_OPS
+        from .model_kernels import kernel_help, resolve_choices
 
-        for op, impl in kernels.items():
-            if op != "*" and (op not in MODEL_OPS or impl not in MODEL_OPS[op].impl_names):
-                raise ExportError("validate", f"unknown kernel choice {op}={impl}; ops and implementations: "
-                                  + "; ".join(f"{n}: {'/'.join(o.impl_names)}" for n, o in MODEL_OPS.items()))
+        try:
+            resolve_choices(kernels)
+        except ValueError as e:
+            raise ExportError("validate", f"{e}. {kernel_help()}") from None
     tok_src = None
     if tokenizer is not None:
         tok_src = Path(tokenizer)
@@ -436,7 +433,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
 
     extra = {}
     if probe_topk:
-        extra["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk..."]}
+        extra["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk...", "topk_scores..."]}
     config = build_config(
         model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
         prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,

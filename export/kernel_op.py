@@ -1,49 +1,31 @@
 """Custom-kernel hooks: a hot spot is a torch reference plus optional substitutes, chosen per op.
 
-A ``KernelOp`` is called by the model like a function. What runs (eager) or gets traced (export)
-is its *selected implementation*:
+The model's hot spots are declared once in the model (``dsv4.model.kernels.kernel``: reference,
+argument spec, MLIR template file, torch alternatives); ``KernelOp.from_kernel`` turns such a
+declaration into an op here (export/model_kernels.py builds the table). ``kernel_op`` declares an op
+directly (the small examples in example_kernels.py and tests).
+
+A ``KernelOp`` is called like a function. What runs (eager) or gets traced (export) is its
+*selected implementation*:
 
 * ``"reference"`` (the default): the plain torch reference, called directly, so torch.export traces
   it as-is (ordinary decomposition into aten ops). Tests trust this one.
-* any named torch *alternative* (e.g. an argmax-chain top-k that dodges an IREE miscompile):
+* any named torch *alternative* (e.g. the radix-select top-k that dodges an IREE miscompile):
   also called directly and traced.
-* ``"kernel"`` (style A): an iree-turbine ``CustomOp`` whose ``generate`` inlines hand-written
-  MLIR (a ``util.func`` with linalg/IREE ops) into the exported module. Eagerly, turbine
-  JIT-compiles the same MLIR through IREE local-task, so the kernel can be checked against the
-  reference without exporting.
-* ``"opaque"`` (style B, kept for comparison): a ``torch.library`` op that stays opaque through
-  torch.export and is lowered by decomposing it into the reference. Needs
-  ``with export_decompositions():`` around ``FxProgramsBuilder.export_program``.
+* ``"kernel"``: an iree-turbine ``CustomOp`` whose ``generate`` inlines hand-written MLIR (a
+  ``util.func`` with linalg/IREE ops) into the exported module. Eagerly, turbine JIT-compiles the
+  same MLIR through IREE local-task, so the kernel can be checked against the reference without
+  exporting.
 
-Recommendation (measured 2026-11-29 on a 2-core CPU box, compiler 3.13 / turbine 3.9; details in
-docs/export-notes.md): **use style A for hand-written kernels and plain reference tracing for
-everything else; don't build on style B.** Both styles pass the whole checklist, on a module that
-gathers rows from an externalized table (.irpa), does a matmul and a clamped SiLU*mul, scales by an
-e8m0 parameter and writes a mutable cache argument with ``index_put_``, exported with
-FxProgramsBuilder (dynamic ``K = Dim(min=1, max=1024)``, ``import_symbolic_shape_expressions=True``,
-strict=False and strict=True), compiled for llvm-cpu and gfx942, run on local-task against eager:
-
-* raw turbine APIs (one program): export 0.7-0.8 s, llvm-cpu 0.7-1.3 s, gfx942 0.5-0.9 s for A, B
-  and plain tracing alike; max|diff| 1.9e-6 on outputs, 9.5e-7 on the cache, identical for all.
-* through this helper (tests/test_export_infra.py, 4 programs, 2 kernels): export_program 0.25-0.9 s
-  each, import 0.18 s, llvm-cpu 1.0-1.2 s, gfx942 1.0-1.1 s; every program agrees with a float64
-  eager reference within 2e-6 x max|ref| (the same band as float32 eager).
-
-What separates them:
-
-* Style A is the only one that can carry code that is not torch: the MLIR lands verbatim as
-  ``util.func private @dsv4k_<op>_<spec>`` (one per specialization, shared by all entry points, a
-  static-shape entry point reuses the dynamic kernel), with no ``torch.operator`` left, and IREE
-  inlines and fuses it like any other code. Costs: it needs ``compat.apply()`` on compiler 3.13
-  (without it aot.export dies with ``AttributeError: type object 'IntegerType' has no attribute
-  'isinstance'``); it relies on turbine's op_reg internals (``KernelSelection``/``KernelBuilder``);
-  eager calls JIT-compile each specialization (first call ~0.6 s, then ~0.3 ms; new sizes of dynamic
-  dims reuse it, a new static dim or attribute value compiles again).
-* Style B can only substitute torch code, which is exactly what calling the reference (or an
-  alternative) directly already does, with no schema, no fake kernel and no ordering trap. The trap:
-  turbine applies the AOT decomposition table when ``export_program`` runs torch.export, *not* in
-  ``aot.export(fxb)``. If the table is entered later, the op stays opaque and iree-compile fails
-  with ``failed to legalize operation 'torch.operator'`` (reproduced).
+The MLIR lands verbatim as ``util.func private @dsv4k_<op>_<spec>`` (one per specialization, shared
+by all entry points; a static-shape entry point reuses the dynamic kernel), with no
+``torch.operator`` left, and IREE inlines and fuses it like any other code. It needs
+``compat.apply()`` on compiler 3.13 and relies on turbine's op_reg internals
+(``KernelSelection``/``KernelBuilder``); eager calls JIT-compile each specialization (first call
+~0.6 s, then ~0.3 ms). Measured (2026-11-29, tests/test_export_infra.py): export_program 0.25-0.9 s,
+llvm-cpu and gfx942 compiles ~1 s, every program within 2e-6 x max|ref| of a float64 reference.
+(An opaque ``torch.library`` op lowered by decomposition was measured too and dropped: it can only
+substitute torch code, which calling an alternative already does; docs/export-notes.md.)
 
 Defining an op (the template is Jinja2 over MLIR; ``{{kernel_name}}``, ``{{<arg>_type}}``,
 ``{{<arg>_dtype}}``, static dim sizes and scalar attributes by name)::
@@ -54,9 +36,11 @@ Defining an op (the template is Jinja2 over MLIR; ``{{kernel_name}}``, ``{{<arg>
         return table[idx]
 
 Dims named in ``static`` are baked into the kernel (one kernel per value); all other dims stay
-dynamic. Result shapes and dtypes follow from the dim names (and ``result_dtypes``), which also
-gives the meta/fake kernels. The kernel function takes the tensor arguments in declaration order
-and returns the results in declaration order.
+dynamic. A leading ``...`` (e.g. ``"..., K"``) takes any leading dims: the kernel sees them
+flattened into one dynamic dim, and results that start with ``...`` get them back. A result dim
+may name an ``int`` attribute (``"..., k"``). Result shapes and dtypes follow from the dim names (and
+``result_dtypes``). The kernel function takes the tensor arguments in declaration order and returns
+the results in declaration order.
 
 Selecting implementations: ``set_impl("gather_rows", "kernel")``, ``with impls(gather_rows=
 "kernel"):`` (wrap ``fxb.export_program``: the choice is read while tracing), or the environment
@@ -80,23 +64,19 @@ __all__ = [
     "KernelOp",
     "KERNEL_OPS",
     "LIBRARY_NS",
-    "OPAQUE_NS",
     "current_impl",
-    "export_decompositions",
     "impls",
     "kernel_op",
     "set_impl",
 ]
 
-LIBRARY_NS = "dsv4k"  # turbine CustomOps (style A): torch.ops.dsv4k.<name>
-OPAQUE_NS = "dsv4_opaque"  # torch.library ops (style B): torch.ops.dsv4_opaque.<name>
+LIBRARY_NS = "dsv4k"  # turbine CustomOps: torch.ops.dsv4k.<name>
 ENV_VAR = "DSV4_KERNEL_IMPLS"
 
 KERNEL_OPS: dict[str, "KernelOp"] = {}
 _SELECTED: dict[str, str] = {}  # explicit choices (set_impl / impls); beat the env var
 _LOCK = threading.Lock()
 _turbine_lib: Any = None
-_opaque_lib: Any = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,12 +91,19 @@ class _Arg:
     dims: tuple["str | int", ...] = ()
 
 
+LEAD = "_lead"  # the dim a leading "..." becomes (all leading dims, flattened)
+
+
 def _parse_dims(spec: str) -> tuple["str | int", ...]:
     dims: list[str | int] = []
-    for tok in (t.strip() for t in spec.split(",")):
+    for i, tok in enumerate(t.strip() for t in spec.split(",")):
         if not tok:
             continue
-        if tok.isdigit():
+        if tok == "...":
+            if i:
+                raise ValueError(f"'...' must come first in shape spec {spec!r}")
+            dims.append(LEAD)
+        elif tok.isdigit():
             dims.append(int(tok))
         elif re.fullmatch(r"[A-Za-z_]\w*", tok):
             dims.append(tok)
@@ -177,7 +164,7 @@ class KernelOp:
         self.result_dtypes = dict(result_dtypes or {})
         self.dtypes = {k: tuple(v) for k, v in (dtypes or {}).items()}
         self.alternatives = dict(alternatives or {})
-        for reserved in ("reference", "kernel", "opaque"):
+        for reserved in ("reference", "kernel"):
             if reserved in self.alternatives:
                 raise ValueError(f"{name}: alternative name {reserved!r} is reserved")
         self._check_spec()
@@ -185,13 +172,26 @@ class KernelOp:
         if default not in self.impl_names:
             raise ValueError(f"{name}: default impl {default!r} not in {self.impl_names}")
         self._kernel_op: Any = None  # torch.ops.dsv4k.<name>, registered lazily
-        self._opaque_op: Any = None  # torch.ops.dsv4_opaque.<name>, registered lazily
         self.__doc__ = reference.__doc__
         self.__wrapped__ = reference
         KERNEL_OPS[name] = self
 
+    @classmethod
+    def from_kernel(cls, spec: Any) -> "KernelOp":
+        """The op of a model kernel declaration (``dsv4.model.kernels.Kernel``)."""
+        return cls(spec.name, spec.reference, args=spec.args or {}, results=spec.results or {},
+                   mlir=spec.mlir_template() if spec.mlir else None, static=spec.static,
+                   result_dtypes=spec.result_dtypes, dtypes=spec.dtypes, alternatives=spec.alternatives)
+
     def _check_spec(self) -> None:
+        if not self.args:  # a reference-only hook: nothing to check, nothing to lower
+            if self.mlir is not None:
+                raise ValueError(f"{self.name}: an MLIR kernel needs an argument spec")
+            return
         known = {d for a in self.args for d in a.dims if isinstance(d, str)}
+        known |= {a.name for a in self.args if a.kind == "int"}
+        if any(LEAD in r.dims for r in self.results) and LEAD not in known:
+            raise ValueError(f"{self.name}: a result starts with '...' but no argument does")
         for r in self.results:
             missing = [d for d in r.dims if isinstance(d, str) and d not in known]
             if missing:
@@ -205,7 +205,7 @@ class KernelOp:
     # -- selection ---------------------------------------------------------------------------
     @property
     def impl_names(self) -> list[str]:
-        names = ["reference", *self.alternatives, "opaque"]
+        names = ["reference", *self.alternatives]
         if self.mlir is not None:
             names.append("kernel")
         return names
@@ -216,13 +216,33 @@ class KernelOp:
         if impl in self.alternatives:
             return self.alternatives[impl]
         if impl == "kernel" and self.mlir is not None:
-            return self.kernel
-        if impl == "opaque":
-            return self.opaque
+            return self._call_kernel
         raise ValueError(f"kernel op {self.name!r} has no implementation {impl!r}; choose from {self.impl_names}")
 
     def __call__(self, *args: Any) -> Any:
         return self.implementation(current_impl(self.name))(*args)
+
+    def _call_kernel(self, *args: Any) -> Any:
+        """The turbine op on the hook's arguments: attributes cast to int/float, '...' dims flattened."""
+        lead = None
+        flat = []
+        for a, v in zip(self.args, args):
+            if a.kind == "int":
+                v = int(v)
+            elif a.kind == "float":
+                v = float(v)
+            elif a.dims and a.dims[0] == LEAD:
+                n_tail = len(a.dims) - 1
+                lead = tuple(v.shape[: v.dim() - n_tail])
+                v = v.reshape(-1, *v.shape[v.dim() - n_tail:])
+            flat.append(v)
+        out = self.kernel(*flat)
+        if lead is None:
+            return out
+        outs = (out,) if len(self.results) == 1 else tuple(out)
+        outs = tuple(o.reshape(*lead, *o.shape[1:]) if r.dims and r.dims[0] == LEAD else o
+                     for r, o in zip(self.results, outs))
+        return outs[0] if len(self.results) == 1 else outs
 
     def __repr__(self) -> str:
         return f"KernelOp({self.name!r}, impl={current_impl(self.name)!r}, impls={self.impl_names})"
@@ -268,14 +288,15 @@ class KernelOp:
             return tensors[spec].dtype
         return spec
 
-    def _result_shapes(self, tensors: Mapping[str, Any]) -> list[tuple[list[Any], torch.dtype]]:
-        sizes = self._bind_dims(tensors)
+    def _result_shapes(self, tensors: Mapping[str, Any], attrs: Mapping[str, Any] | None = None
+                       ) -> list[tuple[list[Any], torch.dtype]]:
+        sizes = {**(attrs or {}), **self._bind_dims(tensors)}
         return [
             ([d if isinstance(d, int) else sizes[d] for d in r.dims], self._result_dtype(r, tensors))
             for r in self.results
         ]
 
-    # -- style A: turbine CustomOp with inline MLIR -------------------------------------------
+    # -- the turbine CustomOp with inline MLIR -------------------------------------------
     @property
     def kernel(self) -> Any:
         """The turbine custom op (``torch.ops.dsv4k.<name>``), registered on first use."""
@@ -294,16 +315,6 @@ class KernelOp:
         else:
             text = _render_jinja(self.mlir, env)
         return _as_module(text)
-
-    # -- style B: torch.library op + decomposition --------------------------------------------
-    @property
-    def opaque(self) -> Any:
-        """``torch.ops.dsv4_opaque.<name>``: eager = reference; opaque in torch.export."""
-        if self._opaque_op is None:
-            with _LOCK:
-                if self._opaque_op is None:
-                    self._opaque_op = _register_opaque_op(self)
-        return self._opaque_op
 
 
 def kernel_op(
@@ -392,8 +403,6 @@ def set_impl(name: str, impl: "str | None") -> None:
     for t, i in resolved.items():
         if i == "kernel":
             KERNEL_OPS[t].kernel  # register before any (strict/dynamo) tracing sees the op
-        elif i == "opaque":
-            KERNEL_OPS[t].opaque
     _SELECTED.update(resolved)
 
 
@@ -411,21 +420,6 @@ def impls(**choices: str) -> Iterator[None]:
     finally:
         _SELECTED.clear()
         _SELECTED.update(saved)
-
-
-@contextlib.contextmanager
-def export_decompositions(*ops: KernelOp) -> Iterator[dict]:
-    """Style B only: add 'opaque op -> reference' to turbine's AOT decomposition table.
-
-    Must wrap ``fxb.export_program`` (turbine decomposes there, not in ``aot.export(fxb)``).
-    With no arguments, covers every op whose opaque form has been registered."""
-    from iree.turbine import aot
-
-    chosen = ops or tuple(op for op in KERNEL_OPS.values() if op._opaque_op is not None)
-    with aot.decompositions.extend_aot_decompositions() as table:
-        for op in chosen:
-            table[op.opaque.default] = op.reference
-        yield table
 
 
 # ------------------------------------------------------------------------------------------------
@@ -505,9 +499,9 @@ def _register_turbine_op(kop: KernelOp) -> Any:
                 axes = [ax for ax, d in enumerate(a.dims) if isinstance(d, int) or d in kop.static]
                 if axes:
                     descs[a.name].specialize_dims(*axes)
-        for r, (shape, dtype) in zip(kop.results, kop._result_shapes(tensors)):
+        for r, (shape, dtype) in zip(kop.results, kop._result_shapes(tensors, attrs)):
             rd = ksel.return_new_tensor(shape, dtype)
-            axes = [ax for ax, d in enumerate(r.dims) if isinstance(d, int) or d in kop.static]
+            axes = [ax for ax, d in enumerate(r.dims) if isinstance(d, int) or d in kop.static or d in attrs]
             if axes:
                 rd.specialize_dims(*axes)
 
@@ -542,22 +536,3 @@ def _register_turbine_op(kop: KernelOp) -> Any:
 
     cls = type(kop.name, (CustomOp,), {"signature": kop.schema, "select": select, "generate": generate})
     return CustomOp.register(library=_turbine_lib)(cls)
-
-
-def _register_opaque_op(kop: KernelOp) -> Any:
-    global _opaque_lib
-    if _opaque_lib is None:
-        _opaque_lib = torch.library.Library(OPAQUE_NS, "FRAGMENT")
-    _opaque_lib.define(kop.schema)
-    qual = f"{OPAQUE_NS}::{kop.name}"
-    single = len(kop.results) == 1
-
-    def fake(*args: Any) -> Any:
-        tensors = {a.name: v for a, v in zip(kop.args, args) if a.kind == "tensor"}
-        outs = [tensors[next(iter(tensors))].new_empty(shape, dtype=dtype) for shape, dtype in kop._result_shapes(tensors)]
-        return outs[0] if single else tuple(outs)
-
-    # CompositeExplicitAutograd (not Implicit) keeps the op opaque through torch.export.
-    _opaque_lib.impl(kop.name, kop.reference, "CompositeExplicitAutograd")
-    torch.library.register_fake(qual, fake, lib=_opaque_lib)
-    return getattr(getattr(torch.ops, OPAQUE_NS), kop.name)

@@ -24,7 +24,6 @@ from conftest import cached_export
 
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
 from dsv4.model.generate import greedy
-from dsv4.model.kernels.topk import topk_impl
 from dsv4.model.state import new_state
 from dsv4.model.tokenizer import encode, load_tokenizer
 from dsv4.train.corpus import DOC_SEPARATOR
@@ -158,12 +157,11 @@ def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp
     from dsv4.runtime.sampling import SamplingParams
 
     prompt = encode(tokenizer, EMBEDDED_PROMPT, bos=True)
-    with topk_impl("argmax"):  # the export's top-k tie-breaking
-        want = greedy(fp8_model, prompt, NEW_TOKENS)
-        seq = torch.tensor([prompt + want])
-        with torch.no_grad():
-            logits = fp8_model(seq, torch.tensor([0]), torch.tensor([seq.shape[1]]), torch.tensor([0]),
-                               new_state(fp8_model.cfg, 1, fp8_model.dtype), all_logits=True)[0].float()
+    want = greedy(fp8_model, prompt, NEW_TOKENS)  # same top-k tie rule as the export (topk.py)
+    seq = torch.tensor([prompt + want])
+    with torch.no_grad():
+        logits = fp8_model(seq, torch.tensor([0]), torch.tensor([seq.shape[1]]), torch.tensor([0]),
+                           new_state(fp8_model.cfg, 1, fp8_model.dtype), all_logits=True)[0].float()
     assert len(want) == NEW_TOKENS
     got, gaps = [], []
     for i in range(NEW_TOKENS):

@@ -1,13 +1,12 @@
 """Export/compile infrastructure: compat shim, targets, CompileError, kernel hooks, the runtime module.
 
-One tiny model is exported once per session with three entry points, one per kernel-hook
-implementation (reference tracing, style A inline-MLIR kernel, style B opaque op + decomposition),
+One tiny model is exported once per session with two entry points, one per kernel-hook
+implementation (reference tracing, inline-MLIR kernel),
 and compiled once for llvm-cpu and once for gfx942; the tests share those artifacts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import sys
@@ -35,7 +34,7 @@ compat.apply()  # this file drives turbine directly (e8m0 parameters, custom ops
 
 N, D, S = 48, 16, 64  # table rows, width, cache slots
 LIMIT = 1.5
-IMPLS = ("reference", "kernel", "opaque")
+IMPLS = ("reference", "kernel")
 
 
 class Tiny(nn.Module):
@@ -70,8 +69,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     idx, slots, cache = torch.randint(0, N, (5,)), torch.arange(5), torch.zeros(S, D)
     dyn = {"idx": {0: K}, "cache": None, "slots": {0: K}}
     for impl in IMPLS:
-        decomp = ko.export_decompositions() if impl == "opaque" else contextlib.nullcontext()
-        with ko.impls(**{"*": impl}), decomp:
+        with ko.impls(**{"*": impl}):
             fxb.export_program(
                 lambda m, idx, cache, slots: m(idx, cache, slots),
                 name=f"step_{impl}", args=(idx, cache, slots), dynamic_shapes=dyn, strict=False,
@@ -249,7 +247,7 @@ def test_cpu_reference_program_matches_eager_float64(exported: dict, cpu_module:
 
 
 @pytest.mark.slow  # compiles (tests/conftest.py)
-@pytest.mark.parametrize("impl", ["kernel", "opaque"])
+@pytest.mark.parametrize("impl", ["kernel"])
 def test_kernel_styles_match_reference(exported: dict, cpu_module: IreeModule, impl: str) -> None:
     for k in (3, 29):
         torch.manual_seed(100 + k)

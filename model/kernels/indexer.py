@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from . import hookable
+from . import kernel
 from .topk import topk_indices
 
 
-@hookable("indexer_scores")
+@kernel("indexer_scores", args={"q": "B, T, Hi, Di", "w": "B, T, Hi", "keys": "B, R, Di"},
+        results={"scores": "B, T, R"}, static=("Hi", "Di"),
+        dtypes={"q": (torch.float32, torch.bfloat16), "w": (torch.float32, torch.bfloat16), "keys": (torch.float32, torch.bfloat16)})
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B,T,Hi,di], w [B,T,Hi], keys [B,R,di] -> scores [B,T,R] (input dtype)."""
     s = torch.einsum("bthd,brd->bthr", q, keys).relu()

@@ -33,7 +33,7 @@ from ..formats import (
     dequant_mxfp4,
 )
 from ..quant_sim import E4M3_MAX, pow2_block_scale, round_to_e4m3
-from . import hookable
+from . import kernel
 
 __all__ = ["linear", "stacked_linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
 
@@ -61,7 +61,9 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return q.flatten(-2)[..., :k]
 
 
-@hookable("fp8_block_linear")
+@kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
+        static=("N", "K", "NB", "KB"),
+        dtypes={"x": (torch.float32, torch.bfloat16), "weight": (torch.float8_e4m3fn, torch.float8_e4m3fnuz)})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -76,7 +78,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
 
-@hookable("mxfp4_linear")
+@kernel("mxfp4_linear", args={"x": "..., K", "packed": "N, KP", "scale": "N, KS"}, results={"y": "..., N"},
+        static=("N", "KP", "KS"), dtypes={"x": (torch.float32, torch.bfloat16), "packed": (torch.uint8, torch.int8)})
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 

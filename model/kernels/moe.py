@@ -5,7 +5,8 @@ Reference semantics: every token runs its top-k experts; g = w1 x, u = w3 x in f
 This reference evaluates every expert on every token and zeroes the unrouted ones (what eager runs);
 the result for a routed token is the same as running only its experts. `moe_experts_routed` below
 is that: only the selected experts' packed weights are gathered and dequantized, one per slot
-(decode) or in expert-grouped blocks (prefill); export installs it for the hook (`routed_moe`).
+(decode) or in expert-grouped blocks (prefill). The hot spot `moe_experts` (declared at the end)
+runs the reference eagerly; export traces its `routed` implementation by default.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import ContextManager
 import torch
 
 from ..formats import FP8_FORMATS
-from . import hookable, overrides
+from . import kernel, overrides
 from .linear import stacked_linear
 
 
@@ -34,8 +35,7 @@ def _group(t: torch.Tensor | None, e0: int, e1: int) -> torch.Tensor | None:
 EXPERT_GROUP = 16  # experts dequantized together: bounds eager memory for 256-expert layers
 
 
-@hookable("moe_experts")
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                 w3: torch.Tensor, s3: torch.Tensor | None, limit: float) -> torch.Tensor:
     """x [N,d], weights/indices [N,k]; w1/w3 [E,I,.], w2 [E,d,.] stacked (scales [E,..] or None) -> fp32 [N,d].
@@ -58,7 +58,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------
 # routed form: only the selected experts' (packed) weights are gathered, every row runs its own
-# experts. Export installs it for the `moe_experts` hook (routed_moe()); eager keeps the reference.
+# experts. Export traces it for the `moe_experts` kernel by default; eager keeps the reference.
 
 # Rows per block of the grouped path (one gathered expert serves Mb token slots). A static pair
 # count (decode batches) is bandwidth bound: big blocks, fewer expert reads (bs64 Flash: 264 vs 256
@@ -165,3 +165,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
 def routed_moe() -> ContextManager[None]:
     """Context: the `moe_experts` hook runs `moe_experts_routed` (what export installs by default)."""
     return overrides({"moe_experts": moe_experts_routed})
+
+
+# The hot spot: eager (and the tests' oracle) runs the all-experts reference; `dsv4 export` traces
+# the routed form unless `--kernel moe_experts=reference` asks for the reference.
+moe_experts = kernel("moe_experts", alternatives={"routed": moe_experts_routed}, export="routed")(moe_experts_reference)

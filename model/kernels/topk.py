@@ -1,11 +1,18 @@
-"""Top-k index selection, the one place every top-k of the model goes through.
+"""Top-k index selection, the one place every top-k of the model goes through (indexer, MoE gate).
 
-IREE 3.13 can return correct top-k values with wrong indices when a top-k follows other work on
-a dynamic token dim (iree-notes §6, bug 6), so export swaps this for an exact formulation: k
-rounds of argmax (each a max + min-index reduction), each masking the previous winner. The eager reference stays torch.topk.
+Contract (the tie rule): the indices of the k largest entries along the last dim, largest first;
+equal values are taken in ascending index order, i.e. exactly
+``torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]``. -0.0 equals +0.0, -inf
+entries are ordinary (lowest) values, so a row with fewer than k finite entries fills the rest with
+the lowest-index -inf entries (callers that mask decide validity by position, see indexer.py).
+torch.topk itself breaks ties in an unspecified order, which is why the reference is a stable sort
+(eager only: IREE 3.13 does not lower aten.sort.stable).
 
-Select with `topk_impl("argmax")` (a context manager; the exporter wraps tracing in it) or
-`set_topk_impl`. The choice is read when the function runs, i.e. while torch.export traces.
+Export uses ``topk_radix`` (implementation "radix"): IREE 3.13 returns wrong top-k *indices* when a
+topk/sort follows other work on a dynamic token dim (iree-notes §6, bug 6), and
+``iree_linalg_ext.topk`` at k = 512 fails on cuda (128 KiB of shared memory) and runs ~25x slower on
+llvm-cpu (docs/kernels.md). The radix select uses only elementwise ops, reductions, one cumsum and
+a flat index_put, so its graph size does not depend on k.
 """
 
 from __future__ import annotations
@@ -15,13 +22,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["topk_indices", "topk_reference", "topk_argmax", "first_argmax", "topk_impl", "set_topk_impl", "TOPK_IMPLS",
-           "record_topk"]
+from . import kernel
 
-
-def topk_reference(x: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk: what eager runs and what every other implementation is checked against."""
-    return x.topk(k, dim=-1).indices
+__all__ = ["topk_indices", "topk", "topk_radix", "first_argmax", "record_topk"]
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -37,46 +40,58 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(hit, cols, float(n)).amin(-1, keepdim=True).clamp(max=n - 1).long()
 
 
-def topk_argmax(x: torch.Tensor, k: int) -> torch.Tensor:
-    """k rounds of argmax (descending, like torch.topk), exact in IREE where topk/sort are not.
-
-    Picked entries are set to -inf; entries that were -inf to begin with (masked, e.g. invisible
-    indexer rows) are first lifted to the dtype's lowest finite value, so a picked entry can never
-    be picked again even when a row has fewer than k finite entries. Written with masked_fill on an
-    arange comparison: the same with scatter segfaults iree-compile (iree-notes §6, bug 6).
-    """
-    lowest = torch.finfo(x.dtype).min
-    work = x.masked_fill(x == float("-inf"), lowest)
-    cols = torch.arange(x.shape[-1], device=x.device)
-    picks = []
-    for _ in range(k):
-        j = first_argmax(work)
-        picks.append(j)
-        work = work.masked_fill(cols == j, float("-inf"))
-    return torch.cat(picks, -1)
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in [0, 2^32) with the same order (-0.0 and +0.0 map to one key; NaN on top)."""
+    x = torch.where(x == 0, torch.zeros((), dtype=x.dtype, device=x.device), x)
+    bits = x.view(torch.int32).long()
+    # negative floats: larger magnitude bits = smaller value, so mirror them below 2^31
+    return torch.where(bits < 0, -bits - 1, bits + 2**31)
 
 
-TOPK_IMPLS = {"reference": topk_reference, "argmax": topk_argmax}
-_impl = "reference"
+def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k by radix select (the contract above), as export traces it.
+
+    1. Bisect the k-th largest order key bit by bit (32 rounds of count(key >= t), each one
+       reduction): t = the largest key with at least k entries >= t.
+    2. Select key > t, plus the first (k - count(key > t)) entries with key == t (a cumsum).
+    3. Compact the selected positions, in index order, into k slots with one flat index_put (the
+       rest go to a trash slot per row); a flat index_put is the form IREE compiles everywhere.
+    4. Order the k picks: rank = #picks with a larger key + #equal picks before it (a k x k
+       comparison), and put each pick at its rank with a second flat index_put.
+    Counts run in float32 (exact below 2^24 entries): the GPU backends fail on int64 reductions."""
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    if isinstance(n, int) and k > n:
+        raise ValueError(f"top-k: k={k} is larger than the {n} entries")
+    key = _order_key(x.float().reshape(-1, n))
+    rows = key.shape[0]
+    t = torch.zeros_like(key[:, :1])
+    for b in range(31, -1, -1):
+        c = t + (1 << b)
+        t = torch.where((key >= c).float().sum(-1, keepdim=True) >= k, c, t)
+    gt = key > t
+    need = k - gt.float().sum(-1, keepdim=True)
+    eq = key == t
+    sel = torch.logical_or(gt, torch.logical_and(eq, eq.float().cumsum(-1) <= need))
+    row = torch.arange(rows, device=x.device)[:, None]
+    slot = torch.where(sel, sel.float().cumsum(-1).long() - 1, k) + row * (k + 1)
+    cols = torch.arange(n, device=x.device).expand(rows, n)
+    picks = torch.zeros(rows * (k + 1), dtype=torch.long, device=x.device)
+    picks = picks.index_put((slot.reshape(-1),), cols.reshape(-1)).view(rows, k + 1)[:, :k]
+    v = key.gather(-1, picks)
+    pos = torch.arange(k, device=x.device)
+    before = torch.logical_or(v[:, None, :] > v[:, :, None],
+                              torch.logical_and(v[:, None, :] == v[:, :, None], pos[None, None, :] < pos[None, :, None]))
+    rank = before.float().sum(-1).long() + row * k
+    out = torch.zeros(rows * k, dtype=torch.long, device=x.device)
+    return out.index_put((rank.reshape(-1),), picks.reshape(-1)).view(*lead, k)
 
 
-def set_topk_impl(name: str) -> None:
-    """Choose the implementation process-wide ('reference' or 'argmax')."""
-    global _impl
-    if name not in TOPK_IMPLS:
-        raise ValueError(f"unknown top-k implementation {name!r}; choose from {sorted(TOPK_IMPLS)}")
-    _impl = name
-
-
-@contextlib.contextmanager
-def topk_impl(name: str) -> Iterator[None]:
-    """Temporarily select a top-k implementation (wrap torch.export tracing in it)."""
-    saved = _impl
-    set_topk_impl(name)
-    try:
-        yield
-    finally:
-        set_topk_impl(saved)
+@kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
+        result_dtypes={"indices": torch.int64}, alternatives={"radix": topk_radix}, export="radix")
+def topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] (int64) of the k largest entries along the last dim, largest first, ties by index."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 _recording: list | None = None
@@ -97,8 +112,8 @@ def record_topk() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries along the last dim (int64), largest first."""
-    out = TOPK_IMPLS[_impl](x, k)
+    """The model's top-k: the `topk` kernel hook (see the module docstring), recorded for probes."""
+    out = topk(x, k)
     if _recording is not None:
         _recording.append((x, out))
     return out
