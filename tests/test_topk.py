@@ -20,7 +20,6 @@ Exactness on exact ties is the job of the op tests above. The same MLIR is compi
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import os
@@ -33,7 +32,7 @@ import torch
 
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import compile_mlir, vmfb_executables
-from dsv4.export.iree_run import IreeModule, ensure_runtime_flags
+from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.model.kernels.topk import record_topk, topk, topk_radix
 
 ensure_runtime_flags()
@@ -138,38 +137,28 @@ def _hf_checkpoint(d: Path) -> None:
     hf.save_pretrained(d)
 
 
-def _graph_hash() -> str:
-    h = hashlib.sha256()
-    files = [ROOT / "model" / f for f in ("model.py", "config.py", "state.py", "checkpoint.py")]
-    files += sorted((ROOT / "model" / "kernels").glob("*.py")) + sorted((ROOT / "model" / "kernels").glob("*.jinja"))
-    files += [ROOT / "export" / f for f in ("exporter.py", "model_kernels.py", "kernel_op.py", "compile.py")]
-    files += [ROOT / "tests" / "test_hf_parity.py"]
-    for f in files:
-        h.update(f.read_bytes())
-    h.update((inspect.getsource(_hf_checkpoint) + repr((CHUNK, OURS))).encode())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def k512(tmp_path_factory) -> dict:
-    pytest.importorskip("transformers")
+    """The transformers checkpoint loaded and exported once (cached by tests/conftest.py; slow)."""
+    from conftest import cached_export
+
     from dsv4.export.exporter import export_model
     from dsv4.model.checkpoint import load_checkpoint
 
-    cache = ROOT / ".cache" / f"topk512-{_graph_hash()}"
-    if not (cache / "export" / "config.json").is_file():
-        tmp = tmp_path_factory.mktemp("k512")
-        _hf_checkpoint(tmp / "hf")
+    def build(out: Path) -> None:
+        hf = tmp_path_factory.mktemp("k512") / "hf"
+        _hf_checkpoint(hf)
         with pytest.warns(UserWarning, match="no mtp"):
-            model = load_checkpoint(tmp / "hf", dtype=torch.float32, overrides=OURS)
-        export_model(model, model.cfg, tmp / "export", targets=("llvm-cpu",), batch_sizes=(1,), max_chunk=CHUNK,
+            model = load_checkpoint(hf, dtype=torch.float32, overrides=OURS)
+        export_model(model, model.cfg, out, targets=("llvm-cpu",), batch_sizes=(1,), max_chunk=CHUNK,
                      n_slots=1, score=False, probe_topk=True, keep_mlir=True, progress=print)
-        if cache.exists():
-            shutil.rmtree(cache)
-        shutil.copytree(tmp, cache)
+        shutil.copytree(hf, out / "hf")
+
+    cache = cached_export("topk512", build, [ROOT / "tests" / "test_hf_parity.py",
+                                             inspect.getsource(_hf_checkpoint), repr((CHUNK, OURS))])
     with pytest.warns(UserWarning, match="no mtp"):
         model = load_checkpoint(cache / "hf", dtype=torch.float32, overrides=OURS)
-    return {"dir": cache / "export", "model": model.eval()}
+    return {"dir": cache, "model": model.eval()}
 
 
 def test_index_topk_512_compiled_equals_eager(k512):
