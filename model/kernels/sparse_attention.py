@@ -24,17 +24,21 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
                      scale: float) -> torch.Tensor:
     """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""
     B, T, H, D = q.shape
-    K = idx.shape[-1]
     valid = idx >= 0
     batch = torch.arange(B, device=kv.device).view(B, 1, 1)
     sel = kv[batch, idx.clamp_min(0)]  # [B,T,K,D]
     # masked rows may hold anything (stale state): zero them so 0 * garbage cannot make NaN
     sel = torch.where(valid[..., None], sel, torch.zeros((), dtype=sel.dtype))
-    s = torch.einsum("bthd,btkd->bthk", q.float(), sel.float()) * scale
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    m = torch.maximum(s.amax(-1), sink.float()[None, None, :])       # the sink is always present
+    # Batch invariance: rows (b, t) are merged into ONE dynamic dim n before the reductions. With
+    # separate b and t, IREE folds b away when B == 1 and tiles the score/softmax/P·V reductions
+    # differently than for B == 4, so the same request got other bits per batch-size function
+    # (docs/batch-invariance.md). Merged, every batch size compiles to the same [n, ...] ops.
+    qf, sf, vf = q.flatten(0, 1).float(), sel.flatten(0, 1).float(), valid.flatten(0, 1)
+    s = torch.einsum("nhd,nkd->nhk", qf, sf) * scale
+    s = s.masked_fill(~vf[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink.float()[None, :])  # the sink is always present
     p = torch.exp(s - m[..., None])
-    den = p.sum(-1) + torch.exp(sink.float()[None, None, :] - m)
+    den = p.sum(-1) + torch.exp(sink.float()[None, :] - m)
     p = (p / den[..., None]).to(kv.dtype)
-    o = torch.einsum("bthk,btkd->bthd", p.float(), sel.float())
-    return o.to(q.dtype)
+    o = torch.einsum("nhk,nkd->nhd", p.float(), sf)
+    return o.to(q.dtype).unflatten(0, (B, T))
