@@ -1,8 +1,8 @@
 """Batch invariance (issue 13 item 1): a request's logits are bitwise the same whichever exported
 batch-size function runs it and whatever else shares the call.
 
-Checked on two llvm-cpu bf16 exports with prefill and decode batch sizes 1 and 4: the tiny preset
-(random weights, fast) and the embedded default (model/assets/small, what `make run` serves). For
+Checked on llvm-cpu bf16 exports with prefill and decode batch sizes 1 and 4: the tiny preset
+(random weights, fast) and, when MODELS names it, the embedded default (model/assets/small). For
 every exported prefill batch size B the same prompt is prefilled in row 0 (other rows: padding,
 i.e. length 0, or other prompts of other lengths, so T differs too), then decoded greedily through
 every decode batch size; all logits must be bit-identical to the bs1 run. The bs1 run itself is
@@ -16,8 +16,6 @@ export arguments and the compiler version.
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +27,9 @@ BATCH_SIZES = (1, 4)
 N_DECODE = 6
 EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=BATCH_SIZES, decode_batch_sizes=BATCH_SIZES, n_slots=4,
                    score=False)
-MODELS = {"tiny": 32, "embedded": 64}  # model -> max_chunk
+# model -> max_chunk. The suite runs the tiny preset; the embedded default (an export of ~5 min on
+# 2 cores) is measured in docs/batch-invariance.md: add "embedded": 64 here to test it too.
+MODELS = {"tiny": 32}
 
 
 def _model(name: str):
@@ -43,37 +43,21 @@ def _model(name: str):
     return load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16).eval()
 
 
-def _key(name: str) -> str:
-    import iree.compiler
-
-    h = hashlib.sha256()
-    files = [*(REPO / "model").glob("*.py"), *(REPO / "model" / "kernels").glob("*.py"), *(REPO / "export").glob("*.py")]
-    if name == "embedded":
-        files += sorted((REPO / "model" / "assets" / "small").glob("*.safetensors"))
-    for f in sorted(files):
-        h.update(f.relative_to(REPO).as_posix().encode())
-        h.update(f.read_bytes())
-    h.update(repr((name, MODELS[name], sorted(EXPORT_ARGS.items()))).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
-def export(request, tmp_path_factory: pytest.TempPathFactory):
-    """(model name, export dir); built once per source state and cached under .cache/."""
+def batchinv_export(request):
+    """(model name, export dir); built once per source state and cached by tests/conftest.py."""
+    from conftest import cached_export
+
     from dsv4.export.exporter import export_model
 
     name = request.param
-    cache = REPO / ".cache" / f"batchinv-{name}-{_key(name)}"
-    if not (cache / "config.json").is_file():
+
+    def build(out: Path) -> None:
         model = _model(name)
-        tmp = tmp_path_factory.mktemp(f"batchinv_{name}")
-        export_model(model, model.cfg, tmp, max_chunk=MODELS[name], **EXPORT_ARGS)
-        if cache.exists():
-            shutil.rmtree(cache)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, cache)
-    return name, cache
+        export_model(model, model.cfg, out, max_chunk=MODELS[name], **EXPORT_ARGS)
+
+    weights = sorted((REPO / "model" / "assets" / "small").glob("*.safetensors")) if name == "embedded" else []
+    return name, cached_export(f"batchinv-{name}", build, [name, MODELS[name], sorted(EXPORT_ARGS.items()), *weights])
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -127,8 +111,8 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.xfail(strict=True, reason="issue 13 item 1 still open: prefill_bs1 and prefill_bs4 differ "
                    "(tiny up to 4e-3, embedded up to 5e-2 after the sparse-attention fix); docs/batch-invariance.md")
-def test_same_request_same_bits_in_every_batch_size(export) -> None:
-    name, d = export
+def test_same_request_same_bits_in_every_batch_size(batchinv_export) -> None:
+    name, d = batchinv_export
     r = _Runner(d)
     prompts = _prompts(r.cfg.vocab_size)
     ref = r.run(1, prompts[:1], 1)
