@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned toolchain into $(VENV) (torch, iree-turbine, iree-base-compiler: 1-2 min) ..."
-	$(BIN)/pip install -q -e '.[export,test,serve]'
+	$(BIN)/pip install -q -e '.[export,test,serve,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

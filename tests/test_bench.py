@@ -70,7 +70,9 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
     prof = rep["profile"]  # IREE's HAL profiling of decode_bs4 (host-execution on local-task)
     assert prof["available"], prof.get("why")
     assert prof["batch"] == 4 and prof["calls"] >= steps and 0 < len(prof["top"]) <= 10
-    assert all(k["name"].startswith("decode_bs4$") and k["ms_per_step"] > 0 for k in prof["top"])
+    # executables are named after the first function that uses them (IREE shares identical
+    # dispatches between functions), so a decode step may run one named prefill_bs4$...
+    assert all("$async_dispatch_" in k["name"] and k["ms_per_step"] > 0 for k in prof["top"])
     times = [k["ms_per_step"] for k in prof["top"]]
     assert times == sorted(times, reverse=True) and sum(times) <= prof["device_ms_per_step"] * (1 + 1e-9)
     assert sum(k["share"] for k in prof["top"]) <= 1 + 1e-9
@@ -105,7 +107,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     tokens = (np.arange(4 * 16).reshape(4, 16) * 5 + 1) % 512  # T=16 >= prefill min_tokens
     args = (tokens, np.zeros(4, np.int64), np.array([16, 11, 16, 5]), np.arange(4))
     iree_first = IreeBackend(bench_export, "local-task").prefill(*args)
-    torch_first = TorchBackend(bench_export, "torch-eager", "local-task", 2).prefill(*args)
+    torch_first = TorchBackend(bench_export, "torch-eager", "local-task", 4).prefill(*args)
     np.testing.assert_array_equal(iree_first, torch_first)
 
 
