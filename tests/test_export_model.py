@@ -331,4 +331,4 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--batch-sizes", "0", "-o", str(tmp_path)]) == 2
     assert "export stage 'validate' failed: batch sizes must be integers >= 1" in capsys.readouterr().err
     assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 2
-    assert "unknown kernel choice moe_experts=kernel" in capsys.readouterr().err
+    assert "kernel op 'moe_experts' has no implementation 'kernel'" in capsys.readouterr().err

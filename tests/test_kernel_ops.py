@@ -172,7 +172,9 @@ def test_op_compiled_vs_reference(name, tmp_path):
     for impl in impls:
         with torch.no_grad(), use_kernels({name: impl}):
             fxb.export_program(_fwd(len(args)), name=f"run_{impl}", args=args, dynamic_shapes=dyn, strict=False)
-    eo = aot.export(fxb, import_symbolic_shape_expressions=True)
+    # the routed MoE's block count (pairs // block) is a FloorDiv the importer cannot translate: the
+    # exporter imports without symbolic expressions for the same reason (export/exporter.py)
+    eo = aot.export(fxb, import_symbolic_shape_expressions=name != "moe_experts")
     mlir = tmp_path / "op.mlir"
     eo.save_mlir(str(mlir))
     text = mlir.read_text()

@@ -264,7 +264,9 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
         calls.append(1)
         return real(x, *a, **kw)
 
-    monkeypatch.setattr(moe_mod, "moe_experts_routed", counting)
+    from dsv4.export.model_kernels import MODEL_OPS
+
+    monkeypatch.setitem(MODEL_OPS["moe_experts"].alternatives, "routed", counting)  # what export traces
     model = _two_layer_fp4_model()
     cfg = model.cfg
     res = export_model(model, cfg, tmp_path, targets=("llvm-cpu",), batch_sizes=(2,), max_chunk=32, n_slots=8,
