@@ -18,8 +18,7 @@ Eager always runs the reference (bit-identical results); the model never imports
 ``KERNELS``; while tracing it routes hooks to the chosen implementations through ``overrides``.
 
 Adding a kernel: decorate the reference with ``@kernel(...)`` in its module under model/kernels/
-(imported at the bottom of this file), put its template beside it, done. ``hookable(name)`` is a
-reference-only declaration (no spec yet).
+(imported at the bottom of this file), put its template beside it, done.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["Kernel", "KERNELS", "HOOKS", "kernel", "hookable", "overrides"]
+__all__ = ["Kernel", "KERNELS", "HOOKS", "kernel", "overrides"]
 
 
 @dataclass(frozen=True)
@@ -101,11 +100,6 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
         return call
 
     return wrap
-
-
-def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A reference-only declaration (no argument spec, no kernel yet): `kernel(name)`."""
-    return kernel(name)
 
 
 class _Hooks(Mapping[str, Callable[..., Any]]):
