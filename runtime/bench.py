@@ -409,7 +409,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     }
 
 
-def print_table(rep: dict[str, Any], out=sys.stdout) -> None:
+def print_table(rep: dict[str, Any], out: Any = None) -> None:
     m, s = rep["model"], rep["settings"]
     w = lambda *a: print(*a, file=out)  # noqa: E731
     w(f"export {rep['export']}  device {rep['device']}  {m['layers']} layers, hidden {m['hidden']}, "
