@@ -78,6 +78,11 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                    help="the reference's FP8/FP4 QAT simulations (default: the config's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed for --preset (default: 0)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="keep the first N layers (and the MTP blocks): real dimensions at a fraction of the size")
+    p.add_argument("--no-weights", action="store_true",
+                   help="compile from shapes alone: config.json + vmfb, no .irpa (weights never loaded; "
+                        "make them later, e.g. on the GPU host, with `dsv4 weights random OUT`)")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
@@ -87,6 +92,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output directory")
     p.set_defaults(fn=cmd_export)
     return p
+
+
+def _layers(cfg, n: int | None):
+    return cfg if n is None else cfg.first_layers(n)
 
 
 def parameter_counts(model) -> tuple[int, int, int]:
@@ -136,7 +145,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         import torch
 
         from dsv4.model.config import ModelConfig
-        from dsv4.model.model import Transformer, init_random
+        from dsv4.model.model import Transformer, empty_model, init_random
 
         stage = "load"
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -146,18 +155,31 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.quant_sim is not None:
             overrides["quant_sim"] = args.quant_sim == "on"
         tokenizer = None
+        weights = "model"
         if not args.preset:
             from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
 
             ckpt = Path(args.checkpoint) if args.checkpoint else EMBEDDED_CHECKPOINT
-            log(f"loading checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)"))
-            model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides)
             tok = ckpt / "tokenizer.json"
             tokenizer = tok if tok.is_file() else None
+            if args.layers and not args.no_weights:
+                raise ValueError("--layers with --checkpoint needs --no-weights (a checkpoint's weights are "
+                                 "exported whole; cut layers from a --preset instead)")
+            if args.no_weights:
+                cfg = _layers(ModelConfig.from_json(ckpt, **overrides), args.layers)
+                model, weights = empty_model(cfg, dtype), None
+                log(f"checkpoint {ckpt}: config only (--no-weights)")
+            else:
+                log(f"loading checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)"))
+                model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides)
         else:
-            cfg = ModelConfig.preset(args.preset, **overrides)
-            log(f"preset {args.preset}: random weights (seed {args.seed})")
-            model = init_random(Transformer(cfg, dtype=dtype), seed=args.seed)
+            cfg = _layers(ModelConfig.preset(args.preset, **overrides), args.layers)
+            if args.no_weights:
+                log(f"preset {args.preset}: no weights (--no-weights)")
+                model, weights = empty_model(cfg, dtype), None
+            else:
+                log(f"preset {args.preset}: random weights (seed {args.seed})")
+                model = init_random(Transformer(cfg, dtype=dtype), seed=args.seed)
         cfg = model.cfg
         log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {_count(model)}, "
             f"{args.dtype}")
@@ -171,7 +193,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         res = export_model(model, cfg, args.out, targets=targets, batch_sizes=args.batch_sizes,
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
-                           tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force)
+                           tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
+                           weights=weights)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2
@@ -183,7 +206,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         size = (res.out_dir / info["vmfb"]).stat().st_size
         print(f"  {name}: {info['vmfb']} ({size / 1e6:.2f} MB, compiled in {info['compile_s']:.1f} s)")
     irpa = res.out_dir / res.config["parameters"]
-    print(f"  parameters: {irpa.name} ({irpa.stat().st_size / 1e6:.1f} MB); config: {res.config_path}")
+    if irpa.is_file():
+        print(f"  parameters: {irpa.name} ({irpa.stat().st_size / 1e6:.1f} MB); config: {res.config_path}")
+    else:
+        print(f"  parameters: none (--no-weights; `dsv4 weights random {res.out_dir}` writes {irpa.name}); "
+              f"config: {res.config_path}")
     if not res.config["functions"].get("score_bs1"):
         print("  (no score_bs1: `dsv4 score` needs an export without --no-score)")
     return 0

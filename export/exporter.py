@@ -35,17 +35,19 @@ both kinds of targets are asked for, the fnuz targets get their own MLIR and .ir
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from dsv4.runtime.artifact import (FORMAT, PARAM_SCOPE, VERSION, build_config, check_out_dir, function_abi,
                                    new_export_id, staged_export, write_config)
@@ -138,23 +140,64 @@ def _has_fp8(model: nn.Module) -> bool:
     return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) for p in model.parameters())
 
 
-def _to_fnuz(model: nn.Module) -> nn.Module:
-    """A copy of `model` with every e4m3fn weight (and its block scale) converted for gfx942."""
+def _fp8_pairs(mod: nn.Module) -> Iterator[tuple[str, str]]:
+    """(weight name, scale name) of each e4m3fn parameter of `mod` (not recursive)."""
+    for pname, p in mod.named_parameters(recurse=False):
+        if p is not None and p.dtype == torch.float8_e4m3fn:
+            sname = "scale" if pname == "weight" else f"{pname}_scale"
+            if getattr(mod, sname, None) is None:
+                raise ExportError("convert:fnuz", f"{type(mod).__name__}.{pname} is FP8 but has no {sname}")
+            yield pname, sname
+
+
+@contextlib.contextmanager
+def _fp8_dtype(model: nn.Module, flavour: str) -> Iterator[None]:
+    """Trace the `flavour` ("fnuz": gfx942) graph: every e4m3fn parameter is swapped for an unwritten
+    e4m3fnuz one of the same shape while the block runs (the graph needs dtypes, not values; the fnuz
+    weights are written by `_model_tensors`)."""
+    if flavour != "fnuz":
+        yield
+        return
+    saved = []
+    for mod in model.modules():
+        for pname, _ in list(_fp8_pairs(mod)):
+            p = getattr(mod, pname)
+            saved.append((mod, pname, p))
+            setattr(mod, pname, nn.Parameter(torch.empty(p.shape, dtype=torch.float8_e4m3fnuz), requires_grad=False))
+    try:
+        yield
+    finally:
+        for mod, pname, p in saved:
+            setattr(mod, pname, p)
+
+
+def _model_tensors(model: nn.Module, flavour: str, prefix: str = "model.") -> Iterator[tuple[str, "np.ndarray"]]:
+    """The model's own weights, one tensor at a time, as (parameter key, uint8 bytes); for "fnuz"
+    each e4m3fn weight and its block scale are converted together (formats.fp8_fn_to_fnuz)."""
     from dsv4.model.formats import fp8_fn_to_fnuz
 
-    model = copy.deepcopy(model)
-    for mod in model.modules():
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            if p is None or p.dtype != torch.float8_e4m3fn:
-                continue
-            sname = "scale" if pname == "weight" else f"{pname}_scale"
-            s = getattr(mod, sname, None)
-            if s is None:
-                raise ExportError("convert:fnuz", f"{type(mod).__name__}.{pname} is FP8 but has no {sname}")
-            w, s2 = fp8_fn_to_fnuz(p.data, s.data)
-            setattr(mod, pname, nn.Parameter(w, requires_grad=False))
-            setattr(mod, sname, nn.Parameter(s2, requires_grad=False))
-    return model
+    for mname, mod in model.named_modules():
+        own = dict(mod.named_parameters(recurse=False))
+        if flavour == "fnuz":
+            for pname, sname in list(_fp8_pairs(mod)):
+                own[pname], own[sname] = fp8_fn_to_fnuz(own[pname].data, own[sname].data)
+        for pname, t in own.items():
+            yield f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}", _bytes(t)
+
+
+def _bytes(t: torch.Tensor) -> "np.ndarray":
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _inventory(entry: nn.Module) -> list[list[Any]]:
+    """config.json's weights.tensors: [key, shape, dtype] of every externalized parameter, in order."""
+    from iree.turbine.aot import ExternalTensorTrait
+
+    out = []
+    for _, p in entry.named_parameters():
+        trait = ExternalTensorTrait.get(p)
+        out.append([trait.external_name, list(p.shape), str(p.dtype).removeprefix("torch.")])
+    return out
 
 
 def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
@@ -220,6 +263,9 @@ def _no_stack_traces() -> Iterator[None]:
     for this model on 2 cores (measured); MLIR locations then name the op, not the source line."""
     import torch.fx.config as fxc
 
+    if not hasattr(fxc, "do_not_emit_stack_traces"):  # torch 2.11 (the GPU host) has no such switch
+        yield
+        return
     saved = fxc.do_not_emit_stack_traces
     fxc.do_not_emit_stack_traces = True
     try:
@@ -257,20 +303,36 @@ def _program(fn: Callable) -> Callable:
     return traced
 
 
+def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None:
+    """torch.export one entry point into `fxb`, its state writes functionalized directly
+    (export/functionalize.py) instead of turbine's whole-graph decomposition retrace; a graph that
+    pass cannot handle safely is retraced the usual way."""
+    from iree.turbine.aot.decompositions import extend_aot_decompositions
+
+    from .functionalize import functionalize_state_writes
+
+    with extend_aot_decompositions(from_current=False):  # an empty table: turbine skips the retrace
+        ep = fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)
+    try:
+        functionalize_state_writes(ep)
+    except NotImplementedError:  # the pass may have rewritten part of ep: trace again, the usual way
+        del fxb.programs[name]
+        fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)
+
+
 def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dtype, cfg, n_slots: int,
                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
-                export_id: str, mlir_path: Path, irpa_path: Path, log: Callable[[str], None],
-                timings: dict[str, float], tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
+                export_id: str, mlir_path: Path, log: Callable[[str], None], timings: dict[str, float],
+                tag: str, probe_topk: bool, kernels: dict[str, str]) -> list[list[Any]]:
+    """Trace every entry point and import them into one MLIR module; returns the parameter inventory
+    (the graph reads parameters by name from the .irpa, so tracing never touches weight values)."""
     from iree.turbine import aot
 
     from dsv4.model.state import state_spec
 
     entry = _Entry(model, state_names).eval()
-    t0 = time.perf_counter()
     aot.externalize_module_parameters(entry, external_scope=PARAM_SCOPE)
-    aot.save_module_parameters(irpa_path, entry)
-    timings[f"parameters{tag}"] = time.perf_counter() - t0
-    log(f"parameters -> {irpa_path.name} ({irpa_path.stat().st_size / 1e6:.1f} MB, {timings[f'parameters{tag}']:.1f} s)")
+    inventory = _inventory(entry)
 
     fxb = aot.FxProgramsBuilder(entry)
     state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec(cfg, n_slots, state_dtype).values()]
@@ -300,7 +362,7 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
             t0 = time.perf_counter()
             try:
                 with _heartbeat(log, f"tracing {name}"):
-                    fxb.export_program(_program(fn), name=name, args=args, dynamic_shapes=dshapes, strict=False)
+                    _trace(fxb, name, _program(fn), args, dshapes)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
@@ -317,6 +379,7 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
         raise ExportError("import", _short(e), _ops_of(e)) from e
     timings[f"import{tag}"] = time.perf_counter() - t0
     log(f"imported -> {mlir_path.name} ({mlir_path.stat().st_size / 1e6:.1f} MB, {timings[f'import{tag}']:.1f} s)")
+    return inventory
 
 
 def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: Sequence[str] = ("gfx942",),
@@ -325,13 +388,17 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  score: bool = True, tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
                  probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
-                 force: bool = False) -> ExportResult:
+                 force: bool = False, weights: "WeightSource | str | None" = "model") -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
     parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
     (export/model_kernels.py; default: each op's declared export implementation). `force` replaces a non-empty `out_dir`
-    that is not a dsv4 export. Raises ExportError naming the failing stage (and op, when known);
+    that is not a dsv4 export. `weights` says what goes into the .irpa: "model" (the model's own
+    parameters), None (none: `--no-weights`, config.json still names the files, see `dsv4 weights`), or
+    a WeightSource called with (inventory, flavour) that yields (key, bytes) one tensor at a time (random
+    weights, a release checkpoint streamed shard by shard); with None or a source, `model` may be an
+    `empty_model` whose memory is never touched. Raises ExportError naming the failing stage (and op, when known);
     `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
     Returns the config.json dict and per-stage timings (seconds)."""
     _compat.apply()
@@ -367,7 +434,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", str(e)) from None
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, dict(kernels or {}))
+                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, dict(kernels or {}),
+                              weights)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all
     log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
@@ -377,7 +445,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
 def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype, tgts: list[Target],
                  bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                  n_slots: int, keep_mlir: bool, tok_src: Path | None, log: Callable[[str], None],
-                 extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str]) -> dict[str, Any]:
+                 extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str],
+                 weights: "WeightSource | str | None") -> dict[str, Any]:
     """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
     (with the stage timings under "_timings", removed by the caller)."""
     from dsv4.model.state import state_spec
@@ -392,18 +461,29 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     for t in tgts:
         groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
     target_info: dict[str, dict[str, Any]] = {}
-    first_irpa = None
+    first_files: list[str] = []
+    first_inventory: list[list[Any]] = []
     for gi, (flavour, gtargets) in enumerate(groups.items()):
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
-        gmodel = _to_fnuz(model) if flavour == "fnuz" else model
         mlir_path = stage / f"model{suffix}.mlir"
-        irpa_path = stage / f"model{suffix}.irpa"
-        first_irpa = first_irpa or irpa_path.name
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
             f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
-        _build_mlir(gmodel, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                    export_id, mlir_path, irpa_path, log, timings, tag, probe_topk, kernels)
+        with _fp8_dtype(model, flavour):
+            inventory = _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens,
+                                    max_chunk, export_id, mlir_path, log, timings, tag, probe_topk, kernels)
+        if weights is None:
+            files = [f"model{suffix}.irpa"]
+            log(f"no weights written (--no-weights): `dsv4 weights random {out}` makes them")
+        else:
+            t0 = time.perf_counter()
+            source = _model_tensors(model, flavour) if weights == "model" else weights(inventory, flavour)
+            files = _write_weights(stage, f"model{suffix}", source, inventory)
+            timings[f"weights{tag}"] = time.perf_counter() - t0
+            size = sum((stage / f).stat().st_size for f in files)
+            log(f"weights -> {', '.join(files)} ({size / 1e6:.1f} MB, {timings[f'weights{tag}']:.1f} s)")
+        if gi == 0:
+            first_files, first_inventory = files, inventory
         for t in gtargets:
             vmfb = stage / f"model.{t.name}.vmfb"
             log(f"compiling {t.label} ...")
@@ -418,7 +498,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             info = {"vmfb": vmfb.name, "flags": list(res.flags), "compile_s": round(res.seconds, 2),
                     "driver": t.driver}
             if suffix:
-                info["parameters"] = irpa_path.name
+                info["parameters"] = files[0]
             target_info[t.name] = info
         if not keep_mlir:
             mlir_path.unlink(missing_ok=True)
@@ -438,7 +518,40 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
         prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,
         score_batch_sizes=score_bs, state=state_entries(cfg, n_slots, act), targets=target_info,
-        parameters=first_irpa, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
+        parameters=first_files[0], tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
         eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra)
+    config["weights"] = {"tensors": first_inventory}
     write_config(stage, config)
     return {**config, "_timings": timings}
+
+
+# (key, uint8 bytes) one tensor at a time, given the inventory and the FP8 flavour ("default"/"fnuz")
+WeightSource = Callable[[list[list[Any]], str], Iterable[tuple[str, "np.ndarray"]]]
+
+
+def _write_weights(stage: Path, stem: str, tensors: Iterable[tuple[str, "np.ndarray"]],
+                   inventory: list[list[Any]]) -> list[str]:
+    """Write `tensors` into stage/<stem>.irpa, checking each against the inventory (name, byte size)
+    and that none is missing; returns the file names."""
+    import iree.runtime as rt
+    import numpy as np
+
+    want = {k: int(np.prod(shape, dtype=np.int64)) * _itemsize(dt) for k, shape, dt in inventory}
+    index, seen = rt.ParameterIndex(), set()
+    for key, arr in tensors:
+        if key not in want:
+            raise ExportError("weights", f"weight {key!r} is not a parameter of the traced model")
+        if arr.nbytes != want[key]:
+            raise ExportError("weights", f"weight {key}: {arr.nbytes} bytes, the graph expects {want[key]}")
+        index.add_buffer(key, arr)
+        seen.add(key)
+    missing = [k for k in want if k not in seen]
+    if missing:
+        raise ExportError("weights", f"{len(missing)} weight(s) missing, e.g. {', '.join(missing[:3])}")
+    name = f"{stem}.irpa"
+    index.create_archive_file(str(stage / name))
+    return [name]
+
+
+def _itemsize(dtype_name: str) -> int:
+    return getattr(torch, dtype_name).itemsize

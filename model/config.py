@@ -159,6 +159,15 @@ class ModelConfig:
         cfg.validate()
         return cfg
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The first `n` backbone layers (with their compression ratios and hash routing) and the
+        MTP blocks: real dimensions at a fraction of the size, for benchmarks and tests."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"layers: expected 1..{self.num_hidden_layers} (num_hidden_layers), got {n!r}")
+        ratios = self.compress_ratios[:n] + self.compress_ratios[self.num_hidden_layers:]
+        return self.replace(num_hidden_layers=n, compress_ratios=ratios,
+                            num_hash_layers=min(self.num_hash_layers, n))
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["compress_ratios"] = list(self.compress_ratios)

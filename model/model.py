@@ -31,7 +31,7 @@ from .kernels.sparse_attention import sparse_attention
 from .kernels.topk import topk_indices
 from .state import LayerState, StateLayout
 
-__all__ = ["Transformer", "Batch", "rope_table"]
+__all__ = ["Transformer", "Batch", "rope_table", "empty_model", "init_random"]
 
 FP8_BLOCK = 128
 
@@ -572,9 +572,14 @@ class Transformer(nn.Module):
             for mod in self.modules():
                 if isinstance(mod, Linear) and mod.scale is not None:
                     mod.scale = nn.Parameter(torch.empty(mod.scale.shape, dtype=torch.float32), requires_grad=False)
-        rd = cfg.qk_rope_head_dim
+        self.set_rope_tables()
+
+    def set_rope_tables(self) -> None:
+        """(Re)compute the RoPE tables (non-persistent buffers, never in a checkpoint), on the CPU."""
+        cfg, rd = self.cfg, self.cfg.qk_rope_head_dim
         for kind, base, yarn in (("window", cfg.rope_theta, None), ("compressed", cfg.compress_rope_theta, cfg.yarn)):
-            cos, sin = rope_table(rd, cfg.max_seq_len, base, yarn)
+            with torch.device("cpu"):
+                cos, sin = rope_table(rd, cfg.max_seq_len, base, yarn)
             self.register_buffer(f"rope_{kind}_cos", cos, persistent=False)
             self.register_buffer(f"rope_{kind}_sin", sin, persistent=False)
 
@@ -618,6 +623,18 @@ class Transformer(nn.Module):
         x = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).to(self.dtype)
         x = blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, self._rope(), next_tokens)
         return self.logits(x, lengths, all_logits, (blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale), blk.norm)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized: bool = True) -> Transformer:
+    """A Transformer on the CPU whose parameters are allocated but never written: built on the meta
+    device, then `to_empty` (torch.empty touches no page), so Flash's ~150 GB cost address space, not
+    memory, until something reads them. For tracing (the graph needs shapes and dtypes only) and for
+    loaders that then fill every parameter."""
+    with torch.device("meta"):
+        model = Transformer(cfg, dtype=dtype, quantized=quantized)
+    model = model.to_empty(device="cpu")
+    model.set_rope_tables()
+    return model
 
 
 @torch.no_grad()

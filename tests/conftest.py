@@ -67,7 +67,8 @@ def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[An
 
 
 # fixtures holding a compiled export of a real model (minutes to build, minutes of tests on top)
-EXPORT_FIXTURES = ("art", "tiny_export", "export_dir", "bench_export", "serve_export", "k512", "batchinv_export")
+EXPORT_FIXTURES = ("art", "tiny_export", "export_dir", "bench_export", "serve_export", "k512", "batchinv_export",
+                   "noweights_export")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

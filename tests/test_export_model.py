@@ -305,10 +305,18 @@ def _quantized_tiny() -> Transformer:
 def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
     """gfx942 gets e4m3fnuz weights through formats.fp8_fn_to_fnuz (never a cast): every FP8
     weight changes format, and the model computes bit-identical logits."""
-    from dsv4.export.exporter import _has_fp8, _to_fnuz
+    import copy
+
+    from dsv4.export.exporter import _has_fp8, _model_tensors
 
     q = _quantized_tiny()
-    z = _to_fnuz(q)
+    z = copy.deepcopy(q)
+    written = dict(_model_tensors(q, "fnuz", prefix=""))  # what the gfx942 .irpa receives
+    for mod_name, mod in z.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            dt = torch.float8_e4m3fnuz if p.dtype == torch.float8_e4m3fn else p.dtype
+            b = torch.from_numpy(written[f"{mod_name}.{pname}" if mod_name else pname].copy())
+            setattr(mod, pname, torch.nn.Parameter(b.view(dt).view(p.shape), requires_grad=False))
     assert _has_fp8(q)
     fp8 = [n for n, p in q.named_parameters() if p.dtype == torch.float8_e4m3fn]
     zp = dict(z.named_parameters())

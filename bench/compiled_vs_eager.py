@@ -1,0 +1,104 @@
+"""Compiled export vs the eager PyTorch model on the same weights (the export's own .irpa).
+
+    python bench/compiled_vs_eager.py OUT [--device cuda] [--eager-device cuda] [--prompt-len 100] [--steps 32]
+
+Prefills one random prompt of --prompt-len tokens (one prefill_bs1 call per chunk of at most the
+export's max_tokens), then decodes greedily --steps tokens, both sides fed the compiled side's
+tokens (teacher forcing, so one early flip does not hide later agreement). Prints, per step, the
+max |logit difference| relative to the logits' max |value| and whether the argmax agrees, then one
+summary line: first-step (prefill) relative error, worst relative error and argmax agreement (all
+steps agreeing = the eager model's own greedy run equals the compiled one).
+The eager side loads the weights with model.checkpoint.load_irpa, so it needs torch (and a GPU for
+Flash-sized layers: --eager-device cuda). Exit status 1 when greedy differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="export directory")
+    ap.add_argument("--device", default="local-task", help="IREE driver (local-task, cuda, hip)")
+    ap.add_argument("--eager-device", default="cpu", help="torch device of the eager model")
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from dsv4.model.checkpoint import load_irpa
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import empty_model
+    from dsv4.model.state import new_state
+    from dsv4.runtime import Engine
+
+    eng = Engine(args.out, device=args.device)
+    cfg_json = eng.config
+    vocab = cfg_json.vocab_size
+    ids = np.random.default_rng(args.seed).integers(2, vocab, size=args.prompt_len).astype(np.int64)
+
+    t0 = time.perf_counter()
+    cfg = ModelConfig.from_dict(cfg_json.model)
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg_json.raw["activation_dtype"]]
+    quantized = any(dt.startswith("float8") for _, _, dt in cfg_json.raw["weights"]["tensors"])
+    model = empty_model(cfg, act, quantized=quantized)
+    load_irpa(model, eng.parameters_path)
+    model = model.to(args.eager_device).eval()
+    state = new_state(cfg, cfg_json.n_slots, act, device=args.eager_device)
+    print(f"eager model loaded from {eng.parameters_path} in {time.perf_counter() - t0:.1f} s "
+          f"({cfg.n_layers} layers, hidden {cfg.hidden_size}) on {args.eager_device}", file=sys.stderr)
+
+    def eager(tokens: np.ndarray, pos: int) -> np.ndarray:
+        t = torch.from_numpy(tokens[None]).to(args.eager_device)
+        z = torch.zeros(1, dtype=torch.int64, device=args.eager_device)
+        with torch.no_grad():
+            out = model(t, z + pos, z + len(tokens), z, state)
+        return out[0].float().cpu().numpy()
+
+    def compiled(fn: str, tokens: np.ndarray, pos: int) -> np.ndarray:
+        lg, _ = eng.invoke(fn, tokens[None], np.array([pos]), np.array([len(tokens)]), np.array([0]))
+        return np.array(lg.to_host())[0].astype(np.float32)  # copy: to_host reuses its buffer
+
+    rows = []
+    chunk = cfg_json.prefill_max_tokens
+    pos = 0
+    while pos < len(ids):  # the last chunk's logits are the prompt's next-token logits
+        piece = ids[pos:pos + chunk]
+        if len(piece) < cfg_json.prefill_min_tokens:  # the exported T range starts at min_tokens
+            raise SystemExit(f"prompt tail of {len(ids) - pos} tokens is below the export's min_tokens "
+                             f"{cfg_json.prefill_min_tokens}; pick another --prompt-len")
+        lc, le = compiled("prefill_bs1", piece, pos), eager(piece, pos)
+        pos += len(piece)
+    for step in range(args.steps + 1):
+        rel = float(np.abs(lc - le).max() / max(np.abs(le).max(), 1e-30))
+        tc, te = int(lc.argmax()), int(le.argmax())
+        rows.append({"step": step, "rel_err": rel, "compiled": tc, "eager": te, "agree": tc == te})
+        print(f"step {step:3d}  rel err {rel:.2e}  compiled {tc:6d}  eager {te:6d}  {'ok' if tc == te else 'DIFF'}")
+        if step == args.steps:
+            break
+        tok = np.array([tc], dtype=np.int64)
+        lc, le = compiled("decode_bs1", tok, pos), eager(tok, pos)
+        pos += 1
+    agree = sum(r["agree"] for r in rows)
+    summary = {"export": str(args.out), "device": args.device, "eager_device": args.eager_device,
+               "prompt_len": args.prompt_len, "steps": args.steps, "prefill_rel_err": rows[0]["rel_err"],
+               "max_rel_err": max(r["rel_err"] for r in rows), "argmax_agree": f"{agree}/{len(rows)}",
+               "greedy_equal": agree == len(rows)}
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
+    return 0 if summary["greedy_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Real sizes without real memory (issue 11): --layers, the empty model, --no-weights exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cached_export
+
+from dsv4.model.config import ConfigError, ModelConfig
+
+
+def test_first_layers_keeps_ratios_hash_layers_and_mtp() -> None:
+    flash = ModelConfig.preset("flash")
+    two = flash.first_layers(2)
+    assert (two.num_hidden_layers, two.compress_ratios, two.num_hash_layers) == (2, (0, 0, 0), 2)
+    five = flash.first_layers(5)
+    assert five.compress_ratios == (0, 0, 4, 128, 4, 0) and five.num_hash_layers == 3
+    assert five.n_mtp == flash.n_mtp == 1 and five.hidden_size == 4096 and five.index_topk == 512
+    pro = ModelConfig.preset("pro").first_layers(3)
+    assert pro.compress_ratios == (128, 128, 4, 0)
+    assert flash.first_layers(43) == flash
+    for bad in (0, 44, "2"):
+        with pytest.raises(ConfigError, match="layers: expected 1..43"):
+            flash.first_layers(bad)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_empty_model_of_full_flash_costs_address_space_not_memory() -> None:
+    from dsv4.model.model import empty_model
+
+    cfg = ModelConfig.preset("flash")
+    before = _rss()
+    m = empty_model(cfg)
+    grown = _rss() - before
+    total = sum(p.nbytes for p in m.parameters())
+    # routed experts alone: layers+MTP x 256 experts x 3 matrices x 4096 x 2048 / 2 (MXFP4) bytes
+    experts = (cfg.n_layers + cfg.n_mtp) * 256 * 3 * 4096 * 2048 // 2
+    assert experts > 140e9 and total > experts
+    assert grown < 1.5e9, f"building the empty Flash model touched {grown / 1e9:.1f} GB"
+    assert m.layers[2].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    from dsv4.model.model import rope_table
+
+    cos, _ = rope_table(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta, None)
+    assert torch.equal(m.rope_window_cos, cos)  # the buffers are real, not left empty
+
+
+@pytest.fixture(scope="module")
+def noweights_export() -> Path:
+    """tiny in the release format (FP8 + MXFP4), exported from an empty model with weights=None."""
+    from dsv4.export.exporter import export_model
+    from dsv4.model.model import empty_model
+
+    cfg = ModelConfig.preset("tiny")
+
+    def build(d: Path) -> None:
+        export_model(empty_model(cfg, torch.float32), cfg, d, targets=["llvm-cpu"], batch_sizes=[1],
+                     score=False, keep_mlir=True, weights=None)
+
+    return cached_export("noweights-tiny", build, ["noweights", cfg.to_dict()])
+
+
+def test_no_weights_export_has_config_and_vmfb_and_a_full_inventory(noweights_export: Path) -> None:
+    d = noweights_export
+    raw = json.loads((d / "config.json").read_text())
+    assert (d / "model.llvm-cpu.vmfb").is_file() and not list(d.glob("*.irpa"))
+    inv = raw["weights"]["tensors"]
+    # the inventory names exactly the parameters the compiled graph reads from the archive
+    mlir = (d / "model.mlir").read_text()
+    in_graph = set(re.findall(r'#stream\.parameter\.named<"model"::"([^"]+)">', mlir))
+    assert in_graph and {k for k, _, _ in inv} == in_graph
+    dtypes = {k: dt for k, _, dt in inv}
+    assert dtypes["model.layers.1.attn.wq_a.weight"] == "float8_e4m3fn"
+    assert dtypes["model.layers.1.attn.wq_a.scale"] == "uint8"
+    shapes = {k: s for k, s, _ in inv}
+    cfg = ModelConfig.preset("tiny")
+    assert shapes["model.embed.weight"] == [cfg.vocab_size, cfg.hidden_size]
