@@ -90,7 +90,8 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
                               torch.logical_and(v[:, None, :] == v[:, :, None], pos[None, None, :] < pos[None, :, None]))
     rank = before.float().sum(-1)  # a permutation of 0..k-1 per row
     hit = rank[:, None, :] == pos[None, :, None].float()  # [rows, rank r, pick j]
-    out = (hit.float() * picks[:, None, :].float()).sum(-1)
+    # a select, not hit * picks: IREE treats a multiply-sum as a contraction and materializes hit
+    out = torch.where(hit, picks[:, None, :].float(), 0.0).sum(-1)
     return out.long().view(*lead, k)
 
 
