@@ -93,9 +93,44 @@ class _TopK(torch.nn.Module):
         return topk_radix(x, self.k)
 
 
+def ulp_negatives(rows: int, n: int, seed: int) -> torch.Tensor:
+    """Distinct negative floats one ulp apart around -1, shuffled: their int32 bit patterns differ by
+    1, so an order key that passes through float32 anywhere (torch-mlir's integer neg did) ties them."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.stack([torch.randperm(n, generator=g) for _ in range(rows)]).int()
+    return (torch.tensor(-1.0).view(torch.int32) + bits).view(torch.float32)
+
+
+def shared_memory_races(ll: str) -> list[str]:
+    """Kernels of an IREE cuda `*.optimized.ll` that store to and load from shared memory
+    (addrspace 3) with no barrier: each thread then reads slots other threads may not have written
+    yet (kernels that only store there keep the values in registers: harmless). This is how
+    IREE 3.13 compiled a scatter whose indices were computed in its own dispatch (the radix select's
+    old second index_put: garbage indices, `hal.device.queue.dealloca` ABORTED at 64 rows)."""
+    import re
+
+    bad = []
+    for m in re.finditer(r"^define ptx_kernel void @(\S+?)\((.*?)^}", ll, re.S | re.M):
+        body = m.group(2)
+        if (re.search(r"store [^\n]*ptr addrspace\(3\)", body) and re.search(r"load [^\n]*ptr addrspace\(3\)", body)
+                and "barrier" not in body):
+            bad.append(m.group(1))
+    return bad
+
+
+def test_shared_memory_screen_flags_a_race():
+    racy = ("define ptx_kernel void @k(ptr %0) {\n  store i64 %1, ptr addrspace(3) %2, align 8\n"
+            "  %3 = load i64, ptr addrspace(3) %4, align 8\n  ret void\n}\n")
+    synced = racy.replace("  %3", "  tail call void @llvm.nvvm.barrier.cta.sync.aligned.all(i32 0)\n  %3")
+    store_only = racy.replace("  %3 = load i64, ptr addrspace(3) %4, align 8\n", "")
+    assert shared_memory_races(racy) == ["k"]
+    assert shared_memory_races(synced) == [] and shared_memory_races(store_only) == []
+
+
 def test_radix_compiled_alone(tmp_path):
     """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
-    against the tie rule; the same module compiles for gfx942 and cuda."""
+    against the tie rule (with ties, -inf tails and ulp-spaced negatives); the same module compiles
+    for gfx942 and cuda, and no cuda kernel of it uses shared memory without a barrier."""
     from iree.turbine import aot
 
     class M(torch.nn.Module):
@@ -108,12 +143,18 @@ def test_radix_compiled_alone(tmp_path):
                        dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
     mlir = tmp_path / "topk.mlir"
     aot.export(fxb, import_symbolic_shape_expressions=True).save_mlir(str(mlir))
-    for target in ("llvm-cpu", "gfx942", "cuda"):
+    for target in ("llvm-cpu", "gfx942"):
         compile_mlir(mlir, target, tmp_path / f"topk.{target}.vmfb")
+    compile_mlir(mlir, "cuda", tmp_path / "topk.cuda.vmfb",
+                 extra_flags=[f"--iree-hal-dump-executable-intermediates-to={tmp_path / 'cuda'}"])
+    (ll,) = (tmp_path / "cuda").glob("*.optimized.ll")
+    assert shared_memory_races(ll.read_text()) == []
     m = IreeModule(tmp_path / "topk.llvm-cpu.vmfb")
-    for rows, n in ((1, 600), (5, 4096)):
+    for rows, n in ((1, 600), (5, 4096), (64, 1024)):
         x, y = tied((rows, n), n), tied((rows, 256), rows)
         x[0, n // 3:] = float("-inf")  # fewer than 512 finite entries in row 0
+        x[-1] = ulp_negatives(1, n, n)[0]  # the 512th largest lies among near-equal negatives
+        y[-1] = ulp_negatives(1, 256, rows)[0]
         a, b = m("f", x.numpy(), y.numpy())
         assert np.array_equal(a, brute_topk(x, 512).numpy()), (rows, n)
         assert np.array_equal(b, brute_topk(y, 6).numpy()), (rows, n)
@@ -221,6 +262,10 @@ def test_index_topk_512_compiled_equals_eager(k512):
 
 @pytest.mark.parametrize("target", ["gfx942", "cuda"])
 def test_index_topk_512_graph_compiles_for_gpus(k512, target, tmp_path):
-    res = compile_mlir(k512["dir"] / "model.mlir", target, tmp_path / f"model.{target}.vmfb")
+    dump = [f"--iree-hal-dump-executable-intermediates-to={tmp_path / 'll'}"] if target == "cuda" else []
+    res = compile_mlir(k512["dir"] / "model.mlir", target, tmp_path / f"model.{target}.vmfb", extra_flags=dump)
     exes = [e for e in vmfb_executables(res.path) if e.format != "other"]  # "other": e.g. _const.bin
     assert {e.gpu_arch for e in exes} == {"gfx942" if target == "gfx942" else "sm_89"}
+    if dump:
+        (ll,) = (tmp_path / "ll").glob("*.optimized.ll")
+        assert shared_memory_races(ll.read_text()) == []

@@ -44,8 +44,10 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int64 in [0, 2^32) with the same order (-0.0 and +0.0 map to one key; NaN on top)."""
     x = torch.where(x == 0, torch.zeros((), dtype=x.dtype, device=x.device), x)
     bits = x.view(torch.int32).long()
-    # negative floats: larger magnitude bits = smaller value, so mirror them below 2^31
-    return torch.where(bits < 0, -bits - 1, bits + 2**31)
+    # negative floats: larger magnitude bits = smaller value, so mirror them below 2^31 with
+    # ~bits (== -bits - 1). Not `-bits`: torch-mlir lowers an integer neg through float32
+    # (sitofp, negf, fptosi), which merges negative floats up to ~128 ulp apart.
+    return torch.where(bits < 0, torch.bitwise_not(bits), bits + 2**31)
 
 
 def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,9 +57,13 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
        reduction): t = the largest key with at least k entries >= t.
     2. Select key > t, plus the first (k - count(key > t)) entries with key == t (a cumsum).
     3. Compact the selected positions, in index order, into k slots with one flat index_put (the
-       rest go to a trash slot per row); a flat index_put is the form IREE compiles everywhere.
+       rest go to a trash slot per row, and the slot is clamped into the row, so a wrong count can
+       never write outside it); a flat index_put is the form IREE compiles everywhere.
     4. Order the k picks: rank = #picks with a larger key + #equal picks before it (a k x k
-       comparison), and put each pick at its rank with a second flat index_put.
+       comparison), then out[r] = the pick whose rank is r (a second k x k reduction; exact in
+       float32). Not a second index_put: IREE 3.13's cuda code for a scatter whose indices are
+       computed in the same dispatch stages them in shared memory without a barrier, so threads
+       read other threads' slots before they are written (a garbage index: the 64-row abort).
     Counts run in float32 (exact below 2^24 entries): the GPU backends fail on int64 reductions."""
     n = x.shape[-1]
     lead = x.shape[:-1]
@@ -74,7 +80,7 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     eq = key == t
     sel = torch.logical_or(gt, torch.logical_and(eq, eq.float().cumsum(-1) <= need))
     row = torch.arange(rows, device=x.device)[:, None]
-    slot = torch.where(sel, sel.float().cumsum(-1).long() - 1, k) + row * (k + 1)
+    slot = torch.where(sel, sel.float().cumsum(-1).long() - 1, k).clamp(0, k) + row * (k + 1)
     cols = torch.arange(n, device=x.device).expand(rows, n)
     picks = torch.zeros(rows * (k + 1), dtype=torch.long, device=x.device)
     picks = picks.index_put((slot.reshape(-1),), cols.reshape(-1)).view(rows, k + 1)[:, :k]
@@ -82,9 +88,11 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     pos = torch.arange(k, device=x.device)
     before = torch.logical_or(v[:, None, :] > v[:, :, None],
                               torch.logical_and(v[:, None, :] == v[:, :, None], pos[None, None, :] < pos[None, :, None]))
-    rank = before.float().sum(-1).long() + row * k
-    out = torch.zeros(rows * k, dtype=torch.long, device=x.device)
-    return out.index_put((rank.reshape(-1),), picks.reshape(-1)).view(*lead, k)
+    rank = before.float().sum(-1)  # a permutation of 0..k-1 per row
+    hit = rank[:, None, :] == pos[None, :, None].float()  # [rows, rank r, pick j]
+    # a select, not hit * picks: IREE treats a multiply-sum as a contraction and materializes hit
+    out = torch.where(hit, picks[:, None, :].float(), 0.0).sum(-1)
+    return out.long().view(*lead, k)
 
 
 @kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
