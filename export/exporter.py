@@ -22,12 +22,12 @@ re-export leaves a working export as it was; a non-empty directory that is not a
 refused unless ``force``.
 
 Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with externalized
-parameters (one .irpa shared by all entry points), strict=False tracing, every top-k as an argmax
-chain while tracing (IREE 3.13 returns wrong top-k indices in multi-layer dynamic graphs,
-iree-notes §6 bug 6), the routed MoE (model/kernels/moe.py `moe_experts_routed`: only the selected
-experts' weights, grouped by expert without sort/topk) for the `moe_experts` hook unless `kernels`
-names it, and ``import_symbolic_shape_expressions=False`` because the compressor's
-``T // ratio`` is a FloorDiv the importer cannot translate (the argmax chain needs no bounds).
+parameters (one parameter scope shared by all entry points; tracing needs shapes only, so the model
+may be an `empty_model`), strict=False tracing with the state writes functionalized in place
+(export/functionalize.py) instead of turbine's whole-graph decomposition retrace, each hot spot's
+declared export implementation (model/kernels: the exact radix top-k, the routed MoE reading only
+the selected experts' weights), and ``import_symbolic_shape_expressions=False`` because the
+compressor's ``T // ratio`` is a FloorDiv the importer cannot translate.
 FP8 weights are e4m3fn for llvm-cpu/cuda and e4m3fnuz (formats.fp8_fn_to_fnuz) for gfx942; when
 both kinds of targets are asked for, the fnuz targets get their own MLIR and .irpa.
 """
