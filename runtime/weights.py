@@ -33,7 +33,7 @@ import numpy as np
 from .artifact import DTYPES, TensorSpec, check_irpa
 from .errors import ArtifactError
 
-__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "write_shards", "Weights", "open_weights",
+__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "planned_names", "write_shards", "Weights", "open_weights",
            "check_weights", "checked", "storage_dtype"]
 
 SHARD_BYTES = 2 << 30  # default shard size: a few files for Flash's ~150 GB, each mmap-friendly
@@ -77,6 +77,12 @@ def plan_shards(sizes: Iterable[int], shard_bytes: int = SHARD_BYTES) -> list[in
         counts[-1] += 1
         used += _padded(n)
     return counts
+
+
+def planned_names(specs: Sequence[TensorSpec], prefix: str = "model", shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """The file names `write_shards` gives the tensors of `specs` written in that order (what an export
+    made without weights lists in config.json)."""
+    return shard_names(prefix, len(plan_shards([s.nbytes for s in specs], shard_bytes)))
 
 
 class _ArchiveWriter:

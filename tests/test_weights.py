@@ -227,3 +227,176 @@ def test_config_weight_fields(tmp_path: Path) -> None:
     bad["targets"]["gfx942"]["fp8_dtype"] = "float8_e5m2"
     with pytest.raises(ArtifactError, match="targets.gfx942.fp8_dtype"):
         ExportConfig.from_dict(bad, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. `dsv4 weights random`
+# ------------------------------------------------------------------------------------------------
+
+
+def _tiny_inventory() -> tuple[dict, list[TensorSpec]]:
+    import torch
+
+    from dsv4.model.checkpoint.irpa import param_inventory
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+
+    cfg = ModelConfig.preset("tiny")
+    with torch.device("meta"):
+        model = Transformer(cfg, quantized=True)
+    return cfg.to_dict(), param_inventory(model)
+
+
+def _no_weights_export(d: Path, shard_bytes: int = 1 << 16, fnuz: bool = True) -> Path:
+    """config.json of the tiny quantized model as an export made with --no-weights: llvm-cpu reads
+    the e4m3fn files, gfx942 its own e4m3fnuz ones; no .irpa yet."""
+    from test_runtime import _config, _write_export
+
+    from dsv4.runtime.artifact import with_fp8
+    from dsv4.runtime.weights import planned_names
+
+    model, specs = _tiny_inventory()
+    cfg = _config(model=model, parameters=planned_names(specs, "model", shard_bytes),
+                  weights={"tensors": [s.to_json() for s in specs], "shard_bytes": shard_bytes})
+    if fnuz:
+        cfg["targets"]["gfx942"] = {"vmfb": "model.gfx942.vmfb", "fp8_dtype": "float8_e4m3fnuz",
+                                    "parameters": planned_names(with_fp8(specs, "float8_e4m3fnuz"), "model.fnuz", shard_bytes)}
+    return _write_export(d, cfg, files=("model.llvm-cpu.vmfb",))
+
+
+@pytest.fixture(scope="module")
+def random_export(tmp_path_factory) -> Path:
+    from dsv4.runtime.random_weights import write_random_weights
+
+    d = _no_weights_export(tmp_path_factory.mktemp("random") / "out")
+    write_random_weights(d, seed=3)
+    return d
+
+
+def _group_weights(d: Path):
+    c = ExportConfig.load(d)
+    return [(g, open_weights(g.files)) for g in c.weight_groups()]
+
+
+def test_random_weights_complete_and_flavours(random_export: Path) -> None:
+    """Every file config.json names is written, each holding exactly its flavour's inventory (right
+    bytes, shape and dtype recorded), several shards each."""
+    groups = _group_weights(random_export)
+    assert [g.fp8_dtype for g, _ in groups] == [None, "float8_e4m3fnuz"]
+    for g, w in groups:
+        assert len(g.files) > 3 and all(f.is_file() for f in g.files)
+        assert check_weights({k: w.nbytes(k) for k in w}, g.specs) == []
+        for s in g.specs:
+            assert w.spec(s.name) == (s.shape, s.dtype)
+
+
+def test_random_weights_decode_at_the_init_scale(random_export: Path) -> None:
+    """Decoded with the project's torch decoders (model/formats.py): FP8 (both formats) and MXFP4
+    weights x scale have std 0.02 and are finite, with no NaN code (and no 0x80 in e4m3fnuz); the
+    two FP8 flavours hold the same values; floats follow init_rule; tid2eid rows are distinct."""
+    import torch
+
+    from dsv4.model.formats import (E4M3FN, E4M3FNUZ, dequant_fp8_block, dequant_mxfp4, e8m0_decode,
+                                    fp8_from_bytes, unpack_e2m1)
+
+    (fn_group, fn), (_, fnuz) = _group_weights(random_export)
+    t = lambda w, k: torch.from_numpy(w.tensor(k).copy())  # noqa: E731
+    n_fp8 = n_fp4 = 0
+    for s in fn_group.specs:
+        if s.dtype == "float8_e4m3fn":
+            n_fp8 += 1
+            scale = s.name[: -len("weight")] + "scale"
+            a, b = t(fn, s.name), t(fnuz, s.name)
+            assert not ((a & 0x7F) == 0x7F).any() and not (b == 0x80).any(), s.name
+            assert torch.equal(e8m0_decode(t(fn, scale)), torch.full(t(fn, scale).shape, 2.0**-12))
+            assert torch.equal(e8m0_decode(t(fnuz, scale)), torch.full(t(fn, scale).shape, 2.0**-11))
+            v = dequant_fp8_block(fp8_from_bytes(a, E4M3FN), t(fn, scale))
+            v2 = dequant_fp8_block(fp8_from_bytes(b, E4M3FNUZ), t(fnuz, scale))
+            assert torch.isfinite(v).all() and torch.equal(v, v2), s.name
+            assert abs(v.std().item() / 0.02 - 1) < 0.05 and abs(v.mean().item()) < 0.002, s.name
+        elif s.name.endswith((".w1", ".w2", ".w3")):  # packed MXFP4 experts
+            n_fp4 += 1
+            p, sc = t(fn, s.name), t(fn, s.name + "_scale")
+            assert torch.equal(p, t(fnuz, s.name))
+            assert torch.equal(e8m0_decode(sc), torch.full(sc.shape, 2.0**-7))
+            v = dequant_mxfp4(p, sc)
+            assert torch.isfinite(v).all() and abs(v.std().item() / 0.02 - 1) < 0.05, s.name
+    assert n_fp8 > 20 and n_fp4 == 3 * 5  # 4 layers + MTP, 3 expert stacks each
+    codes = torch.cat([unpack_e2m1(t(fn, s.name)).flatten() for s in fn_group.specs if s.name.endswith(".w1")])
+    hist = torch.bincount(codes, minlength=16).double() / codes.numel()
+    assert hist[8] == 0 and (hist[[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]] > 0.01).all()  # all but -0
+    assert torch.allclose(hist[1:8], hist[9:16], atol=0.004)  # symmetric
+    assert 0.01 < hist[7] < 0.08  # saturated at +-6 (2.3 sigma) but not piled up there
+    lo_hi = unpack_e2m1(t(fn, "model.layers.0.ffn.experts.w1")).view(-1, 2)
+    assert torch.allclose(torch.bincount(lo_hi[:, 0], minlength=16).double(),
+                          torch.bincount(lo_hi[:, 1], minlength=16).double(), rtol=0.15, atol=40)
+
+    from dsv4.runtime.random_weights import init_rule
+
+    for s in fn_group.specs:
+        if s.dtype in ("float32", "bfloat16"):
+            x = t(fn, s.name)
+            x = x.view(torch.bfloat16).float() if s.dtype == "bfloat16" else x
+            rule = init_rule(s.name)
+            if rule == "ones":
+                assert torch.equal(x, torch.ones_like(x)), s.name
+            elif rule == "zeros":
+                assert not x.any(), s.name
+            elif x.numel() >= 4096:
+                assert abs(x.std().item() / 0.02 - 1) < 0.05, s.name
+    tid = t(fn, "model.layers.0.ffn.gate.tid2eid")
+    assert tid.shape == (512, 2) and ((tid >= 0) & (tid < 8)).all() and (tid[:, 0] != tid[:, 1]).all()
+    assert torch.bincount(tid.flatten(), minlength=8).min() > 512 * 2 / 8 * 0.7  # every expert used
+
+
+def test_random_weights_are_deterministic(random_export: Path, tmp_path: Path) -> None:
+    """Same seed: the same bytes in every file (on any host: per-tensor generators seeded by name);
+    another seed: other values for exactly the random tensors. Splitting differently changes no value."""
+    from dsv4.runtime.random_weights import init_rule, write_random_weights
+
+    again = _no_weights_export(tmp_path / "again")
+    write_random_weights(again, seed=3)
+    files = [f for g in ExportConfig.load(random_export).weight_groups() for f in g.files]
+    assert all((again / f.name).read_bytes() == f.read_bytes() for f in files)
+    resplit = _no_weights_export(tmp_path / "resplit", shard_bytes=1 << 30, fnuz=False)
+    write_random_weights(resplit, seed=3)
+    other = _no_weights_export(tmp_path / "other", shard_bytes=1 << 30, fnuz=False)
+    write_random_weights(other, seed=4)
+    (g3, w3), _ = _group_weights(random_export)
+    (g1, w1), = _group_weights(resplit)
+    (_, w4), = _group_weights(other)
+    assert len(g1.files) == 1 and len(g3.files) > 3
+    assert all(np.array_equal(w1[k], w3[k]) for k in w3)
+    constant = {s.name for s in g3.specs if init_rule(s.name) in ("ones", "zeros")
+                or s.name.endswith((".scale", ".w1_scale", ".w2_scale", ".w3_scale"))}
+    assert {k for k in w3 if not np.array_equal(w4[k], w3[k])} == set(w3) - constant
+
+
+def test_weights_random_cli_and_errors(tmp_path: Path, capsys) -> None:
+    from dsv4.runtime.cli import main
+
+    d = _no_weights_export(tmp_path / "cli", fnuz=False)
+    assert main(["weights", "random", str(d), "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "random weights (seed 1) for llvm-cpu" in out and "GB written" in out
+    assert main(["weights", "random", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "model-00001-of-" in err and "has weights already (pass --force" in err
+    assert main(["weights", "random", str(d), "--force"]) == 0
+    capsys.readouterr()
+    for bad, match in [(tmp_path / "nothing", "does not exist"), (tmp_path, "has no config.json")]:
+        assert main(["weights", "random", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0]
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["weights"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
+    assert main(["weights", "random", str(tmp_path / "old")]) == 2
+    assert "has no weights inventory" in capsys.readouterr().err
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["parameters"] = ["model-00001-of-00001.irpa"]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text(json.dumps(cfg))
+    assert main(["weights", "random", str(tmp_path / "cut")]) == 2
+    assert "1 weight file(s) listed for llvm-cpu, but its inventory cut at 65536 bytes makes" in capsys.readouterr().err
