@@ -37,7 +37,7 @@ from .artifact import FP8_DTYPES, ExportConfig, TensorSpec
 from .errors import ArtifactError
 from .weights import Tensor, checked, plan_shards, storage_dtype, write_shards
 
-__all__ = ["INIT_STD", "init_rule", "random_tensors", "write_random_weights", "fp8_values", "E2M1",
+__all__ = ["INIT_STD", "init_rule", "weight_of_scale", "random_tensors", "write_random_weights", "fp8_values", "E2M1",
            "FP8_SCALE_EXP", "MXFP4_SCALE_EXP"]
 
 INIT_STD = 0.02
@@ -60,7 +60,7 @@ def init_rule(name: str) -> str:
     return "normal"
 
 
-def _weight_of_scale(name: str) -> str | None:
+def weight_of_scale(name: str) -> str | None:
     """The low-bit weight a block-scale parameter belongs to (``X.scale`` -> ``X.weight``,
     ``experts.w1_scale`` -> ``experts.w1``), or None."""
     leaf = name.rsplit(".", 1)[-1]
@@ -205,7 +205,7 @@ def random_tensors(specs: Sequence[TensorSpec], model: Mapping[str, Any], seed: 
     by_name = {s.name: s for s in specs}
     for spec in specs:
         rng = _rng(seed, spec.name)
-        partner = _weight_of_scale(spec.name)
+        partner = weight_of_scale(spec.name)
         if spec.dtype in FP8_DTYPES:
             arr = _fill(np.empty(spec.shape, np.uint8), _from_table(_fp8_table(), rng))
         elif partner in by_name:

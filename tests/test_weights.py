@@ -400,3 +400,165 @@ def test_weights_random_cli_and_errors(tmp_path: Path, capsys) -> None:
     (tmp_path / "cut" / "config.json").write_text(json.dumps(cfg))
     assert main(["weights", "random", str(tmp_path / "cut")]) == 2
     assert "1 weight file(s) listed for llvm-cpu, but its inventory cut at 65536 bytes makes" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. the torch loader from .irpa
+# ------------------------------------------------------------------------------------------------
+
+
+def _tiny_quantized():
+    """The model _tiny_inventory describes (bf16 activations, FP8 linears, MXFP4 experts)."""
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+
+    return Transformer(ModelConfig.preset("tiny"), quantized=True)
+
+
+def test_load_irpa_fills_the_model_bit_for_bit_and_runs(random_export: Path) -> None:
+    """Random weights written by `dsv4 weights random` load into Transformer(quantized=True) with
+    every tensor byte for byte the file's (the e4m3fn flavour chosen from the export directory), and
+    the eager model runs on them (finite, non-constant logits, greedy decoding)."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_irpa
+    from dsv4.model.generate import greedy
+
+    model = load_irpa(_tiny_quantized(), random_export)
+    (g, w), _ = _group_weights(random_export)
+    for name, t in model.state_dict().items():
+        assert t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() == w["model." + name].tobytes(), name
+    assert model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    from dsv4.model.state import new_state
+
+    logits = model(torch.tensor([[5, 9, 11, 3, 7, 1, 2, 8]]), torch.tensor([0]), torch.tensor([8]),
+                   torch.tensor([0]), new_state(model.cfg, 1, torch.bfloat16))
+    assert torch.isfinite(logits).all() and logits.std() > 1e-3
+    assert len(greedy(model, [5, 9, 11, 3], 6)) == 6
+
+
+def test_load_irpa_reads_the_fnuz_flavour_as_the_same_values(random_export: Path) -> None:
+    """The e4m3fnuz files (gfx942's) load into the e4m3fn model through formats.fp8_fnuz_to_fn and
+    give the very same tensors as the e4m3fn files."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_irpa
+
+    fn_group, fnuz_group = ExportConfig.load(random_export).weight_groups()
+    a = load_irpa(_tiny_quantized(), fn_group.files).state_dict()
+    b = load_irpa(_tiny_quantized(), fnuz_group.files).state_dict()
+    assert all(torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]) for k in a)
+
+
+def test_load_irpa_names_every_problem_at_once(random_export: Path, tmp_path: Path) -> None:
+    """Missing, extra, mis-shaped and mis-typed tensors are reported together, before any copy."""
+    from dsv4.model.checkpoint import CheckpointError
+    from dsv4.model.checkpoint.irpa import load_irpa
+
+    (g, w), _ = _group_weights(random_export)
+    keep = [(k, w.tensor(k), w.spec(k)[1]) for k in w if k != "model.layers.0.attn.wq_a.weight"]
+    keep = [(k, np.zeros((2, 3), np.float32), "float32") if k == "model.norm.weight" else
+            (k, a.view(np.int16), "bfloat16") if k == "model.hc_head_base" else (k, a, dt) for k, a, dt in keep]
+    keep.append(("model.stray", np.zeros(3, np.float32), "float32"))
+    files = write_shards(tmp_path, keep)
+    with pytest.raises(CheckpointError) as e:
+        load_irpa(_tiny_quantized(), [tmp_path / f for f in files])
+    msg = str(e.value)
+    assert "4 problem(s)" in msg
+    assert "missing: model.layers.0.attn.wq_a.weight (model expects float8_e4m3fn [128, 128])" in msg
+    assert "shape: model.norm.weight is [2, 3] (24 bytes)" in msg and "the model has [128]" in msg
+    assert "dtype: model.hc_head_base is bfloat16" in msg
+    assert "extra: model.stray" in msg
+
+
+# a tiny quantized export (FP8 linears, MXFP4 experts) for llvm-cpu: one prefill and one decode program
+_Q_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1,), decode_batch_sizes=(1,), n_slots=1, max_chunk=32,
+                      score=False)
+
+
+def _tiny_q_model(seed: int, tmp: Path):
+    """The tiny preset, quantized, float32 activations, with `dsv4 weights random` weights of `seed`
+    (written for its inventory, then read back with load_irpa)."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_irpa, param_inventory
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+    from dsv4.runtime.random_weights import random_tensors
+
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg, dtype=torch.float32, quantized=True)
+    files = write_shards(tmp, random_tensors(param_inventory(model), cfg.to_dict(), seed), prefix="init")
+    return load_irpa(model, [tmp / f for f in files]).eval()
+
+
+@pytest.fixture(scope="module")
+def q_export(tmp_path_factory) -> Path:
+    from conftest import cached_export
+
+    from dsv4.export.exporter import export_model
+
+    def build(out: Path) -> None:
+        model = _tiny_q_model(1, tmp_path_factory.mktemp("init"))
+        export_model(model, model.cfg, out, **_Q_EXPORT_ARGS, progress=print)
+
+    return cached_export("weights-tiny-q", build, [1, sorted(_Q_EXPORT_ARGS.items())])
+
+
+@pytest.mark.slow
+def test_load_irpa_round_trips_an_export(q_export: Path, tmp_path: Path) -> None:
+    """The exporter's own model.irpa (written by iree-turbine, keys 'model.' + state-dict names)
+    loads back into the model it was exported from, every tensor bit for bit."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_export_model
+
+    want = _tiny_q_model(1, tmp_path).state_dict()
+    model, cfg, dtype = load_export_model(q_export)
+    assert dtype == torch.float32 and cfg == model.cfg
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_on_weights_made_by_weights_random(q_export: Path, tmp_path: Path) -> None:
+    """The GPU-host flow at tiny size: an export without its weights, `dsv4 weights random` makes
+    them, the compiled module runs them, and eager torch loaded from the same files (load_export_model)
+    decodes the same greedy tokens."""
+    from dsv4.model.checkpoint.irpa import load_export_model, param_inventory
+    from dsv4.model.generate import greedy
+    from dsv4.runtime.cli import main
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.weights import planned_names
+
+    d = tmp_path / "nw"
+    shutil.copytree(q_export, d)
+    (d / "model.irpa").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    specs = param_inventory(_tiny_quantized_f32())
+    cfg.update(parameters=planned_names(specs, "model", 1 << 17),
+               weights={"tensors": [s.to_json() for s in specs], "shard_bytes": 1 << 17})
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ArtifactError, match="dsv4 weights random"):
+        Engine(d)
+    assert main(["weights", "random", str(d), "--seed", "7"]) == 0
+    eng = Engine(d)
+    assert len(eng.parameters_paths) > 3
+    model, _, _ = load_export_model(d)
+    for prompt in ([5, 9, 11, 3, 7, 1, 2, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [300, 2, 17]):
+        want = greedy(model, prompt, 24)
+        assert eng.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens == want
+        assert len(set(want)) > 3
+
+
+def _tiny_quantized_f32():
+    import torch
+
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(ModelConfig.preset("tiny"), dtype=torch.float32, quantized=True)
