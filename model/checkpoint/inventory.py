@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

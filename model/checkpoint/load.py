@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 from tqdm import tqdm
 
 from dsv4.runtime.artifact import FP8_DTYPES, PARAM_PREFIX
