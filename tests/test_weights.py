@@ -256,7 +256,7 @@ def _no_weights_export(d: Path, shard_bytes: int = 1 << 16, fnuz: bool = True) -
     from dsv4.runtime.weights import planned_names
 
     model, specs = _tiny_inventory()
-    cfg = _config(model=model, parameters=planned_names(specs, "model", shard_bytes),
+    cfg = _config(model=model, activation_dtype="bfloat16", parameters=planned_names(specs, "model", shard_bytes),
                   weights={"tensors": [s.to_json() for s in specs], "shard_bytes": shard_bytes})
     if fnuz:
         cfg["targets"]["gfx942"] = {"vmfb": "model.gfx942.vmfb", "fp8_dtype": "float8_e4m3fnuz",
