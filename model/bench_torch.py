@@ -1,66 +1,27 @@
 """The torch side of `dsv4 bench`: the export's own weights in the eager model, eager or torch.compile'd,
 behind the same two calls the timing protocol (dsv4.runtime.bench) uses for the compiled module.
 
-The weights are read from the export's .irpa (the tensors the vmfb runs), so every backend runs the
-same numbers: the model is rebuilt from config.json's model section with the stored formats (FP8
-linears, MXFP4 experts stay low-bit) and loaded by name, strictly.
+The weights are read from the export's .irpa files (the tensors the vmfb runs: checkpoint/irpa.py
+`load_export_model`), so every backend runs the same numbers: the model is rebuilt from config.json's
+model section with the stored formats (FP8 linears, MXFP4 experts stay low-bit) and loaded by name,
+strictly.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .config import ModelConfig
-from .model import Transformer
+from .checkpoint.irpa import load_export_model
 from .state import new_state
 
 __all__ = ["load_export_model", "TorchBackend", "TORCH_DEVICE"]
 
 # IREE driver -> torch device (ROCm torch calls its GPUs cuda too)
 TORCH_DEVICE = {"cuda": "cuda", "hip": "cuda", "local-task": "cpu", "local-sync": "cpu"}
-
-
-def _irpa_tensors(irpa: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an .irpa written by iree-turbine (dtype and shape from its PYTORCH: metadata)."""
-    import iree.runtime as rt
-
-    idx = rt.ParameterIndex()
-    idx.load(str(irpa))
-    out = {}
-    for key, e in idx.items():
-        meta = bytes(e.metadata)
-        if not meta.startswith(b"PYTORCH:"):
-            raise ValueError(f"{irpa}: parameter {key} has no torch metadata (not written by iree-turbine)")
-        info = json.loads(meta[len(b"PYTORCH:"):])
-        dtype = getattr(torch, info["dtype"])
-        raw = torch.from_numpy(np.frombuffer(e.file_view, dtype=np.uint8).copy())
-        out[key.removeprefix("model.")] = raw.view(dtype).reshape(info["shape"])
-    return out
-
-
-def load_export_model(export_dir: str | Path, device: str = "cpu") -> tuple[Transformer, ModelConfig, torch.dtype]:
-    """The eager Transformer with the weights of `export_dir/model.irpa` (or the parameters file the
-    export names), its config and activation dtype."""
-    d = Path(export_dir)
-    raw = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig.from_dict(raw["model"])
-    dtype = getattr(torch, raw.get("activation_dtype", "bfloat16").removeprefix("torch."))
-    tensors = _irpa_tensors(d / raw["parameters"])
-    quantized = any(t.dtype in (torch.float8_e4m3fn, torch.uint8) for n, t in tensors.items()
-                    if n.endswith(("weight", "w1", "w2", "w3")))
-    model = Transformer(cfg, dtype=dtype, quantized=quantized)  # (not via checkpoint.py: it needs safetensors)
-    want = model.state_dict()
-    for name, t in tensors.items():
-        if name in want and want[name].dtype != t.dtype:
-            raise ValueError(f"{d}: parameter {name} is {t.dtype} in the export but {want[name].dtype} in the "
-                             "model (an e4m3fnuz export for gfx942? measure torch with the cuda/cpu export)")
-    model.load_state_dict(tensors, strict=True)
-    return model.eval().to(device), cfg, dtype
 
 
 class TorchBackend:

@@ -639,21 +639,23 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized
 
 @torch.no_grad()
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    """Random weights in the spirit of HF's _init_weights (spec §5.2); float weights only."""
+    """Random weights in the spirit of HF's _init_weights (spec §5.2); float weights only. Which
+    parameter gets what is `init_rule` (dsv4.runtime.random_weights: the torch-free `dsv4 weights
+    random` follows the same rules)."""
+    from ..runtime.random_weights import init_rule
+
     g = torch.Generator().manual_seed(seed)
     cfg = model.cfg
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
         if p.dtype in (torch.uint8, torch.float8_e4m3fn):
             raise ValueError("init_random fills float weights; build the model with quantized=False")
-        if leaf == "tid2eid":
+        rule = init_rule(name)
+        if rule == "tid2eid":
             p.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
                                  for _ in range(cfg.vocab_size)]))
-        elif name.endswith("norm.weight"):
+        elif rule == "ones":
             p.fill_(1.0)
-        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
-            p.fill_(1.0)
-        elif leaf.endswith("_base") or leaf in ("attn_sink", "ape", "bias"):
+        elif rule == "zeros":
             p.zero_()
         else:
             p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))

@@ -7,7 +7,8 @@
 Public names (imported lazily, so ``import dsv4.runtime`` loads nothing heavy):
 Engine, SamplingParams, GenerationResult, StreamChunk, ScoreResult, EngineError, ArtifactError,
 RequestError, ExportConfig. Modules: engine (requests, step loop), artifact (the export
-directory's contract), module (the IREE context), batching, text, sampling.
+directory's contract), module (the IREE context), weights (sharded .irpa files), random_weights
+(`dsv4 weights random`), batching, text, sampling.
 """
 
 from __future__ import annotations

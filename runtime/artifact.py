@@ -3,14 +3,39 @@
 An export directory holds::
 
     config.json               this contract (FORMAT/VERSION, model config, state, entry points, targets)
-    model.irpa                the weights (IREE parameter archive, scope PARAM_SCOPE)
+    model-00001-of-0000N.irpa the weights, in shards (IREE parameter archives, scope PARAM_SCOPE)
     model.<target>.vmfb       one compiled module per target (gfx942, llvm-cpu, cuda)
-    model.fnuz.irpa           (only when FP8 weights need a second flavour for gfx942)
+    model.fnuz-0000i-of-0000N.irpa   (only when FP8 weights need a second flavour for gfx942)
     tokenizer.json [+ tokenizer_config.json]   (checkpoints that have one)
 
 Entry points (all integers int64; the state tensors follow as arguments in ``state`` order and are
 updated in place): ``prefill_bs{N}``/``decode_bs{N}`` -> (logits f32[N,V], argmax i64[N]);
 ``score_bs1`` -> logprobs f32[1,T]; ``export_id()`` -> the bytes of config.json's ``export_id``.
+
+Weights (fields of config.json; `runtime/weights.py` reads and writes the files)::
+
+    "parameters": ["model-00001-of-00002.irpa", "model-00002-of-00002.irpa"]
+    "weights": {"tensors": [["model.embed.weight", [129280, 4096], "bfloat16"], ...],
+                "shard_bytes": 2147483648}
+    "targets": {"gfx942": {"vmfb": ..., "parameters": ["model.fnuz-00001-of-00002.irpa", ...],
+                           "fp8_dtype": "float8_e4m3fnuz"}, "llvm-cpu": {"vmfb": ...}}
+
+* ``parameters``: the weight files every target reads unless it names its own (a list; the old
+  form, one file name as a string, still loads). Names follow ``<prefix>-<i>-of-<n>.irpa`` (5
+  digits, from 1); the files together hold each parameter exactly once, in any split.
+* ``weights.tensors``: the inventory of those files: every parameter under its key in the vmfb
+  (PARAM_PREFIX + the Transformer's state-dict name), its shape and dtype (a DTYPES name:
+  bfloat16, float32, float8_e4m3fn, float8_e4m3fnuz, uint8, int64, ...); the bytes are the
+  row-major array in the dtype's storage type. ``shard_bytes``: the shard size the files were
+  (or are to be) cut at. Optional (exports made before it have none): without it a config loads,
+  but the weights cannot be checked or generated (`dsv4 weights random` needs it).
+* a weight *flavour* per file group: a target that needs other FP8 bytes (gfx942 reads
+  e4m3fnuz) has its own ``parameters`` and ``fp8_dtype``; its tensors are ``weights.tensors``
+  with every FP8 dtype replaced by ``fp8_dtype``, holding the same values (same bits, block scale
+  x2 or /2: formats.fp8_fn_to_fnuz). `ExportConfig.weight_groups()` lists the groups.
+* an export made without weights has config.json and the vmfbs only; `ExportConfig.load` then
+  raises one ArtifactError naming the missing file and the command that writes weights
+  (`load(..., weights=False)` reads it anyway, for that command).
 
 The exporter builds the dict with `build_config` and writes it with `write_config`; the engine reads
 it with `ExportConfig.load`. `staged_export` builds a new export beside the output directory and
@@ -35,14 +60,15 @@ from typing import Any
 from .errors import ArtifactError, EngineError
 
 __all__ = [
-    "FORMAT", "VERSION", "PARAM_SCOPE", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES", "ENTRY_RESULTS",
-    "StateSpec", "ExportConfig", "target_for_device", "function_abi", "build_config", "write_config",
+    "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
+    "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
 ]
 
 FORMAT = "dsv4-iree-export"
 VERSION = 1
 PARAM_SCOPE = "model"  # the scope the exporter externalizes parameters under
+PARAM_PREFIX = "model."  # parameter keys: the exporter's wrapper module holds the Transformer as `.model`
 
 # compile target -> the IREE driver that runs its vmfb
 TARGET_DRIVERS: dict[str, str] = {"gfx942": "hip", "llvm-cpu": "local-task", "cuda": "cuda"}
@@ -63,6 +89,7 @@ DTYPES: dict[str, tuple[str, str]] = {
     "int8": ("int8", "SINT_8"),
     "uint8": ("uint8", "UINT_8"),
 }
+FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz")
 _DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "fp32": "float32",
                   "fp16": "float16", "i64": "int64", "i32": "int32", "long": "int64",
                   "float": "float32", "half": "float16", "fp8": "float8_e4m3fn"}
@@ -101,10 +128,13 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  prefill_batch_sizes: Sequence[int], min_tokens: int, max_tokens: int,
                  decode_batch_sizes: Sequence[int], score_batch_sizes: Sequence[int],
                  state: Sequence[Mapping[str, Any]], targets: Mapping[str, Mapping[str, Any]],
-                 parameters: str, tokenizer: str | None, bos_token_id: int | None,
+                 parameters: str | Sequence[str], tokenizer: str | None, bos_token_id: int | None,
                  eos_token_ids: Sequence[int], export_id: str,
-                 extra_functions: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order."""
+                 extra_functions: Mapping[str, Any] | None = None,
+                 weights: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
+    `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
+    "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -125,7 +155,9 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "state": [dict(s) for s in state],
         "functions": functions,
         "targets": {k: dict(v) for k, v in targets.items()},
-        "parameters": parameters,
+        "parameters": [parameters] if isinstance(parameters, str) else list(parameters),
+        **({"weights": {"tensors": [[str(n), [int(x) for x in shape], str(dt)] for n, shape, dt in weights["tensors"]],
+                        "shard_bytes": int(weights["shard_bytes"])}} if weights is not None else {}),
         "tokenizer": tokenizer,
         "bos_token_id": bos_token_id,
         "eos_token_ids": list(eos_token_ids),
@@ -290,6 +322,41 @@ class StateSpec:
         return int(np.prod(self.shape)) * np.dtype(DTYPES[self.dtype][0]).itemsize
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter of the inventory (config.json ``weights.tensors``): its key in the vmfb."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # canonical name, a key of DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(DTYPES[self.dtype][0]).itemsize
+
+    def to_json(self) -> list:
+        return [self.name, list(self.shape), self.dtype]
+
+
+def with_fp8(specs: Sequence[TensorSpec], fp8_dtype: str | None) -> tuple[TensorSpec, ...]:
+    """The inventory of a weight flavour: every FP8 dtype replaced by `fp8_dtype` (None: unchanged)."""
+    if fp8_dtype is None:
+        return tuple(specs)
+    return tuple(TensorSpec(s.name, s.shape, fp8_dtype) if s.dtype in FP8_DTYPES else s for s in specs)
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """Weight files read together by some targets, with their inventory (`ExportConfig.weight_groups`)."""
+
+    files: tuple[Path, ...]
+    fp8_dtype: str | None  # the flavour: None = weights.tensors as listed
+    specs: tuple[TensorSpec, ...] | None  # None when config.json has no inventory
+    targets: tuple[str, ...]
+
+
 def _need(cond: bool, path: Path, msg: str) -> None:
     if not cond:
         raise ArtifactError(f"{path}: {msg}")
@@ -316,15 +383,18 @@ class ExportConfig:
     state: tuple[StateSpec, ...]
     functions: dict
     targets: dict
-    parameters: Path
+    parameters: tuple[Path, ...]
+    weights: tuple[TensorSpec, ...] | None  # the inventory (None: an export made before it existed)
+    shard_bytes: int | None
     tokenizer: Path | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     export_id: str | None
 
     @classmethod
-    def load(cls, export_dir: str | Path) -> "ExportConfig":
-        """Read and validate ``export_dir/config.json`` (files it names must exist)."""
+    def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
+        """Read and validate ``export_dir/config.json`` (files it names must exist; the weight files
+        only with `weights`: an export made without weights is read with weights=False)."""
         d = Path(export_dir)
         if not d.is_dir():
             raise ArtifactError(f"export directory {d} does not exist")
@@ -336,9 +406,14 @@ class ExportConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ArtifactError(f"{p} is not valid JSON ({e}); re-export it") from None
         cfg = cls.from_dict(raw, d)
-        for f in (cfg.parameters, cfg.tokenizer):
-            if f is not None:
-                _need(f.is_file(), p, f"{f.name} is missing from {d}")
+        if cfg.tokenizer is not None:
+            _need(cfg.tokenizer.is_file(), p, f"{cfg.tokenizer.name} is missing from {d}")
+        missing = cfg.missing_weights()
+        if weights and missing:
+            more = f" (and {len(missing) - 1} more weight file(s))" if len(missing) > 1 else ""
+            raise ArtifactError(f"{p}: {missing[0].name} is missing from {d}{more}. An export made with "
+                                f"--no-weights has none yet: write random ones with `dsv4 weights random {d}`, "
+                                "or re-export with weights")
         return cfg
 
     @classmethod
@@ -405,6 +480,14 @@ class ExportConfig:
         for t, info in targets.items():
             _need(isinstance(info, dict) and isinstance(info.get("vmfb"), str), p,
                   f"targets.{t}: needs a vmfb file name")
+            if "parameters" in info:
+                _file_list(info["parameters"], p, f"targets.{t}.parameters")
+            fp8 = info.get("fp8_dtype")
+            _need(fp8 is None or (fp8 in FP8_DTYPES and "parameters" in info), p,
+                  f"targets.{t}.fp8_dtype: must be one of {', '.join(FP8_DTYPES)}, with the target's own "
+                  f"parameters, got {fp8!r}")
+        params = _file_list(raw["parameters"], p, "parameters")
+        inventory, shard_bytes = _weights(raw.get("weights"), p)
 
         tok = raw.get("tokenizer")
         eos = raw.get("eos_token_ids", model.get("eos_token_id"))
@@ -422,19 +505,33 @@ class ExportConfig:
             n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
             prefill_min_tokens=int(tmin), prefill_max_tokens=int(tmax),
             decode_batch_sizes=tuple(sorted(set(dbs))), state=tuple(specs), functions=fns,
-            targets=targets, parameters=d / str(raw["parameters"]), tokenizer=d / str(tok) if tok else None,
+            targets=targets, parameters=tuple(d / f for f in params), weights=inventory, shard_bytes=shard_bytes,
+            tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
         )
 
-    def parameters_for(self, target: str) -> Path:
-        """The .irpa a target's vmfb reads: its own (e.g. fnuz FP8 weights for gfx942) or the shared one."""
+    def parameters_for(self, target: str) -> tuple[Path, ...]:
+        """The weight files a target's vmfb reads: its own (e.g. e4m3fnuz FP8 for gfx942) or the shared ones."""
         own = (self.targets.get(target) or {}).get("parameters")
         if own is None:
             return self.parameters
-        path = self.directory / str(own)
-        if not path.is_file():
-            raise ArtifactError(f"{self.directory}: {own} (parameters of target {target}) is missing")
-        return path
+        return tuple(self.directory / f for f in _file_list(own, self.directory / "config.json", target))
+
+    def weight_groups(self) -> list[WeightGroup]:
+        """The groups of weight files the targets read (the shared one first), each with its
+        inventory in its FP8 flavour (None without an inventory)."""
+        groups: dict[tuple[Path, ...], tuple[str | None, list[str]]] = {}
+        for t, info in self.targets.items():
+            fp8 = info.get("fp8_dtype") if "parameters" in info else None
+            groups.setdefault(self.parameters_for(t), (fp8, []))[1].append(t)
+        return sorted((WeightGroup(files, fp8, None if self.weights is None else with_fp8(self.weights, fp8),
+                                   tuple(ts)) for files, (fp8, ts) in groups.items()),
+                      key=lambda g: g.files != self.parameters)
+
+    def missing_weights(self) -> list[Path]:
+        """Weight files named in config.json (any target's) that are not in the directory."""
+        files = dict.fromkeys(f for g in self.weight_groups() for f in g.files)
+        return [f for f in files if not f.is_file()]
 
     def vmfb_path(self, target: str) -> Path:
         """The vmfb compiled for ``target``; ArtifactError when that target was not exported."""
@@ -453,3 +550,32 @@ class ExportConfig:
     @property
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state)
+
+
+def _file_list(v: Any, p: Path, what: str) -> list[str]:
+    """A weight-file field: a non-empty list of plain file names (or, the old form, one name)."""
+    files = [v] if isinstance(v, str) else v
+    _need(isinstance(files, list) and files and all(isinstance(f, str) and f and Path(f).name == f for f in files),
+          p, f"{what}: must be a file name or a non-empty list of file names in the export directory, got {v!r}")
+    _need(len(set(files)) == len(files), p, f"{what}: a file is listed twice")
+    return files
+
+
+def _weights(w: Any, p: Path) -> tuple[tuple[TensorSpec, ...] | None, int | None]:
+    """config.json's optional `weights` field -> (inventory, shard_bytes)."""
+    if w is None:
+        return None, None
+    _need(isinstance(w, dict) and isinstance(w.get("tensors"), list), p,
+          "weights: must be an object with a tensors list")
+    sb = w.get("shard_bytes")
+    _need(_pos_int(sb), p, f"weights.shard_bytes: must be a positive integer, got {sb!r}")
+    specs, seen = [], set()
+    for i, t in enumerate(w["tensors"]):
+        ok = isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and isinstance(t[1], list)
+        _need(ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in t[1]), p,
+              f"weights.tensors[{i}]: must be [name, shape (non-negative integers), dtype], got {t!r}")
+        _need(t[2] in DTYPES, p, f"weights.tensors[{i}] ({t[0]}): unknown dtype {t[2]!r}")
+        _need(t[0] not in seen, p, f"weights.tensors: {t[0]} is listed twice")
+        seen.add(t[0])
+        specs.append(TensorSpec(t[0], tuple(t[1]), t[2]))
+    return tuple(specs), sb

@@ -166,13 +166,12 @@ def copy_bandwidth(hal_device: Any, nbytes: int, repeats: int = 10) -> float:
 
 # --------------------------------------------------------------------------------------------
 # roofline: the bytes one decode step must read
-def parameter_sizes(irpa: Path) -> dict[str, int]:
-    """{parameter name: bytes} of an .irpa (names without the 'model.' scope prefix)."""
-    import iree.runtime as rt
+def parameter_sizes(irpa: Sequence[Path]) -> dict[str, int]:
+    """{parameter name: bytes} of the .irpa shards (names without the 'model.' key prefix)."""
+    from .weights import open_weights
 
-    idx = rt.ParameterIndex()
-    idx.load(str(irpa))
-    return {k.removeprefix("model."): e.length for k, e in idx.items()}
+    w = open_weights(irpa)
+    return {k.removeprefix("model."): w.nbytes(k) for k in w}
 
 
 def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch: int, context: int,
@@ -244,7 +243,8 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
     inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]
     uri = device if device.startswith("local") else f"{device}://0"
     cmd = [str(_tool("iree-benchmark-module")), f"--module={eng.vmfb_path}",
-           f"--parameters=model={eng.parameters_path}", f"--device={uri}", f"--function=decode_bs{batch}",
+           *(f"--parameters=model={p}" for p in eng.parameters_paths), f"--device={uri}",
+           f"--function=decode_bs{batch}",
            *inputs, f"--benchmark_min_time={steps}x", f"--device_profiling_mode={mode}",
            f"--device_profiling_output={prof}"]
     if eng.target == "llvm-cpu":
@@ -364,7 +364,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     mib = args.copy_mib or (1024 if gpu else 64)
     bw = copy_bandwidth(eng.module.device, mib << 20)
     progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
-    params = parameter_sizes(eng.parameters_path)
+    params = parameter_sizes(eng.parameters_paths)
 
     backends: list[Backend] = [iree_be]
     for name in args.compare:

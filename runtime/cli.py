@@ -70,6 +70,19 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return checkpoint_make_main(args.rest)
 
 
+def cmd_weights(args: argparse.Namespace) -> int:
+    """`dsv4 weights random OUT`: random weights for every .irpa file OUT/config.json names (torch-free)."""
+    from .errors import EngineError
+    from .random_weights import write_random_weights
+
+    try:
+        write_random_weights(args.export_dir, args.seed, force=args.force, progress=lambda s: print(s, flush=True))
+    except EngineError as err:  # the export directory: one line, like generate/score
+        print(f"dsv4 weights: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and argv[1:2] != ["serve"]:  # `bench OUT ...` parses its own arguments
@@ -95,6 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("action", choices=["make"], help="make: write a checkpoint (see: dsv4 checkpoint make --help)")
     c.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the action's options")
     c.set_defaults(fn=cmd_checkpoint)
+    w = sub.add_parser("weights", help="make the weights of an export (weights random OUT; torch-free)",
+                       description="Weights of an export directory. `dsv4 weights random OUT` writes random weights "
+                                   "(the init's scale: N(0, 0.02) floats, finite FP8/MXFP4 codes with sane E8M0 "
+                                   "scales) into every .irpa file OUT/config.json names, e.g. for an export made "
+                                   "with --no-weights, one tensor at a time.")
+    wa = w.add_subparsers(dest="action", required=True)
+    wr = wa.add_parser("random", help="write random weights for OUT/config.json's weights inventory")
+    wr.add_argument("export_dir", metavar="OUT", help="export directory (config.json with a weights inventory)")
+    wr.add_argument("--seed", type=int, default=0, help="random seed (default 0): the same seed gives the same "
+                                                        "values on any host and in every FP8 flavour")
+    wr.add_argument("--force", action="store_true", help="replace weight files that exist already")
+    wr.set_defaults(fn=cmd_weights)
     add_runtime_parsers(sub)  # generate, score
     add_serve_parsers(sub)  # serve, bench serve
     add_export_parser(sub)  # export (torch loads only when it runs)

@@ -1,5 +1,5 @@
 """The inference engine: requests and the step loop over an exported DeepSeek-V4
-(config.json + model.irpa + model.<target>.vmfb).
+(config.json + the .irpa weight shards + model.<target>.vmfb).
 
 Torch-free on purpose (numpy, iree.runtime, tokenizers; jinja2 for chat), so it runs where only
 the base install is present (the GPU hosts). The parts it drives live beside it:
@@ -144,8 +144,10 @@ class Engine:
         self.device_name = device
         self.target = target_for_device(device)
         self.vmfb_path = cfg.vmfb_path(self.target)
-        self.parameters_path = cfg.parameters_for(self.target)
-        self.module = IreeModule(self.vmfb_path, self.parameters_path, driver=device, device_index=device_index)
+        self.parameters_paths = cfg.parameters_for(self.target)
+        group = next(g for g in cfg.weight_groups() if self.target in g.targets)
+        self.module = IreeModule(self.vmfb_path, self.parameters_paths, driver=device, device_index=device_index,
+                                 expect=group.specs)
         names = set(self.module.function_names)
         missing = [f for f in cfg.functions if f not in names]
         if missing:

@@ -12,7 +12,9 @@ Torch-free (numpy + iree.runtime). Two runtime traps handled here (iree-notes §
   numpy argument is copied in, so in-place updates made by the module would be invisible.
 
 Both files are checked structurally first (`artifact.check_vmfb` / `check_irpa`), so a truncated
-or corrupt artifact is reported by name rather than failing inside IREE.
+or corrupt artifact is reported by name rather than failing inside IREE; given the inventory
+(config.json's ``weights``), the loaded parameters are checked against it too (a missing, extra or
+mis-sized tensor is named instead of failing at the first call that reads it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .artifact import DTYPES, PARAM_SCOPE, StateSpec, check_irpa, check_vmfb
+from .artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb
 from .errors import ArtifactError, EngineError
 
 __all__ = ["IreeModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
@@ -42,7 +44,8 @@ def ensure_runtime_flags(stack_size: int = TASK_WORKER_STACK_SIZE) -> None:
 
 
 class IreeModule:
-    """A vmfb loaded in its own VmContext on one device, with optional parameter archives.
+    """A vmfb loaded in its own VmContext on one device, with optional parameter archives (all
+    shards of the weights; `expect` = their inventory, checked on load).
 
     ``m("decode_bs1", tokens, ..., *state)`` returns numpy arrays (a tuple for several results);
     device-array arguments are used in place. `function(name)` gives the raw invoker (device-array
@@ -50,7 +53,8 @@ class IreeModule:
     when a file is missing, truncated or not loadable."""
 
     def __init__(self, vmfb: str | Path, parameters: str | Path | Sequence[str | Path] | None = None, *,
-                 driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE):
+                 driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE,
+                 expect: Sequence[TensorSpec] | None = None):
         import iree.runtime as rt
 
         self._rt = rt
@@ -75,11 +79,15 @@ class IreeModule:
                 self.param_index = rt.ParameterIndex()
                 for p in paths:
                     self.param_index.load(str(p))  # mmap; never read into Python memory
+                if expect is not None:
+                    _check_parameters(self.param_index, expect, paths)
                 modules.append(rt.create_io_parameters_module(
                     inst, self.param_index.create_provider(scope=param_scope)))
             self.vm_module = rt.VmModule.mmap(inst, str(vmfb))
             modules.append(self.vm_module)
             self.context = rt.VmContext(inst, modules=modules)
+        except ArtifactError:
+            raise
         except (RuntimeError, ValueError, OSError) as e:
             names = " with ".join([vmfb.name, *(p.name for p in paths)])
             raise ArtifactError(f"cannot load {names}: {e}") from None
@@ -135,6 +143,17 @@ class IreeModule:
         if a.size == 1:
             return str(a.reshape(()).item())
         return ",".join(str(int(x)) for x in a.reshape(-1))
+
+
+def _check_parameters(index: Any, expect: Sequence[TensorSpec], paths: Sequence[Path]) -> None:
+    from .weights import check_weights
+
+    problems = check_weights({k: int(e.length) for k, e in index.items()}, expect)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        files = ", ".join(p.name for p in paths)
+        raise ArtifactError(f"the weights in {files} do not match config.json's inventory: "
+                            f"{'; '.join(problems[:5])}{more}")
 
 
 def _to_host(x: Any) -> Any:

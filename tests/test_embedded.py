@@ -202,8 +202,8 @@ def test_gfx942_gets_the_fnuz_weights(export_dir, engine, fp8_model):
 
     targets = engine.config.targets
     assert targets["gfx942"]["parameters"] == "model.fnuz.irpa" and "parameters" not in targets["llvm-cpu"]
-    assert engine.config.parameters_for("gfx942") == export_dir / "model.fnuz.irpa"
-    assert engine.config.parameters_for("llvm-cpu") == export_dir / "model.irpa" == engine.parameters_path
+    assert engine.config.parameters_for("gfx942") == (export_dir / "model.fnuz.irpa",)
+    assert engine.config.parameters_for("llvm-cpu") == (export_dir / "model.irpa",) == engine.parameters_paths
     fn, fnuz = _irpa(export_dir / "model.irpa"), _irpa(export_dir / "model.fnuz.irpa")
     assert fn.keys() == fnuz.keys()
     weights = _fp8_weights(fp8_model)
@@ -247,7 +247,7 @@ def fnuz_on_cpu(export_dir, tmp_path_factory):
 def test_gfx942_flavour_runs_on_llvm_cpu_like_the_fn_one(fnuz_on_cpu, engine, windows):
     """fnuz values are exactly fn values / 2 and the scale doubles, so the decoded weights, and the
     scores, are the fn flavour's exactly (measured: bit-equal log-probabilities)."""
-    assert fnuz_on_cpu.parameters_path.name == "model.fnuz.irpa"
+    assert [p.name for p in fnuz_on_cpu.parameters_paths] == ["model.fnuz.irpa"]
     a = engine.score(windows[1], add_bos=False).logprobs[1:]
     b = fnuz_on_cpu.score(windows[1], add_bos=False).logprobs[1:]
     diff = max(abs(x - y) for x, y in zip(a, b))

@@ -1,7 +1,8 @@
 """Checkpoint I/O: load a DeepSeek-V4 checkpoint directory as released, and write one.
 
 Files: `names.py` (naming schemes and their mapping), `inventory.py` (a directory's tensors from
-its headers, CheckpointError), `load.py`, `write.py`, `cli.py` (`dsv4 checkpoint make`); the
+its headers, CheckpointError), `load.py`, `write.py`, `cli.py` (`dsv4 checkpoint make`), `irpa.py`
+(an export's .irpa weights into a Transformer: `load_irpa`, `load_export_model`, `param_inventory`); the
 quantizers are `dsv4.model.quantize`, the transformers form of config.json `dsv4.model.transformers_config`.
 
 Loading (`load_checkpoint`, `load_into`) reads `config.json` plus `model.safetensors` or
@@ -27,39 +28,50 @@ smallest power of two >= amax/448 stored as F8_E8M0 (float32 amax/448 for -Base 
 `scale_fmt: fp32`), MXFP4 experts as int8 with per-32 E8M0 scales = smallest power of two >= amax/6,
 bf16 norms/embed/head/compressor/gate weights, fp32 mHC/attn_sink/ape/gate.bias, int64 tid2eid,
 `wo_a` as FP8 + scale. Weights already in the target format are copied byte for byte.
+
+The names below load on first use (PEP 562), so `irpa.py` (and `common.py`) import without
+safetensors, e.g. on a GPU host that only runs eager torch on an export's .irpa weights.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
-from ..quantize import quantize_fp8_block, quantize_mxfp4
-from ..transformers_config import transformers_config_dict
-from .cli import checkpoint_make_main
-from .inventory import Checkpoint, CheckpointError, open_checkpoint, read_config
-from .load import load_checkpoint, load_into
-from .names import canonical_name, transformers_name
-from .write import write_checkpoint
+# name -> the module that defines it (imported when the name is first used)
+_LAZY = {
+    "CheckpointError": ".common",
+    "Checkpoint": ".inventory",
+    "open_checkpoint": ".inventory",
+    "read_config": ".inventory",
+    "load_checkpoint": ".load",
+    "load_into": ".load",
+    "checkpoint_tensors": ".load",
+    "write_checkpoint": ".write",
+    "canonical_name": ".names",
+    "transformers_name": ".names",
+    "load_irpa": ".irpa",
+    "load_export_model": ".irpa",
+    "param_inventory": ".irpa",
+    "checkpoint_make_main": ".cli",
+    "quantize_fp8_block": "..quantize",
+    "quantize_mxfp4": "..quantize",
+    "transformers_config_dict": "..transformers_config",
+}
 
-__all__ = [
-    "CheckpointError",
-    "Checkpoint",
-    "open_checkpoint",
-    "read_config",
-    "load_checkpoint",
-    "load_into",
-    "write_checkpoint",
-    "canonical_name",
-    "transformers_name",
-    "transformers_config_dict",
-    "quantize_fp8_block",
-    "quantize_mxfp4",
-    "checkpoint_make_main",
-    "EMBEDDED_CHECKPOINT",
-    "EMBEDDED_PROMPT",
-]
+__all__ = [*_LAZY, "EMBEDDED_CHECKPOINT", "EMBEDDED_PROMPT"]
 
 # The embedded default model (trained by `python -m dsv4.train`, official layout): what `dsv4 export`
 # and `dsv4 eager` use when given no checkpoint. Its held-out text is eval.txt beside the weights.
 EMBEDDED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "small"
 EMBEDDED_PROMPT = "The list data type has some more methods."  # the fixed prompt of `make run`
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,35 +14,13 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
+from .common import CheckpointError
 from .names import HF_STACKED, canonical_name
 
 __all__ = ["CheckpointError", "Checkpoint", "open_checkpoint", "read_config", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """Everything wrong with a checkpoint, in one error. `problems` lists each one ("kind: detail")."""
-
-    def __init__(self, where: str | os.PathLike, problems: Sequence[str]):
-        self.where = str(where)
-        self.problems = list(problems)
-        super().__init__(_format_problems(self.where, self.problems))
-
-
-def _format_problems(where: str, problems: list[str], limit: int = 60) -> str:
-    lines = [f"checkpoint {where}: {len(problems)} problem(s)"]
-    lines += [f"  {p}" for p in problems[:limit]]
-    if len(problems) > limit:
-        # the rest as counts per kind and name pattern (digits folded), so the message stays readable
-        rest: dict[str, int] = {}
-        for p in problems[limit:]:
-            key = re.sub(r"\d+", "#", p.split(" (")[0])
-            rest[key] = rest.get(key, 0) + 1
-        lines.append(f"  ... and {len(problems) - limit} more (all in CheckpointError.problems):")
-        lines += [f"    {k}  x{n}" for k, n in sorted(rest.items())]
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

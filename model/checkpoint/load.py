@@ -1,9 +1,15 @@
 """Loading: plan where every checkpoint tensor goes in the model (all structural problems found
-before any data is read), then copy through memory maps, one tensor at a time."""
+before any data is read), then fill the model's tensors one *unit* at a time (a tensor, or a weight
+with its block scale; a stacked expert tensor from its per-expert entries), reading through memory
+maps that are closed after each unit (the pages a map touched count as the process's memory until
+then, so memory stays bounded by one unit, not one shard).
+
+The same plan and data movers serve `load_into` (units filled in the model's own tensors) and
+`checkpoint_tensors` (units filled in fresh tensors and yielded as numpy arrays in the model's
+state-dict order, optionally converted to e4m3fnuz: what the exporter writes into .irpa shards)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -13,18 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 from tqdm import tqdm
+
+from dsv4.runtime.artifact import FP8_DTYPES, PARAM_PREFIX
+from dsv4.runtime.weights import storage_dtype
 
 from ..config import ConfigError, ModelConfig
 from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode
 from ..model import Transformer
-from .inventory import Checkpoint, CheckpointError, Entry, open_checkpoint
+from .common import CheckpointError, no_param_init as _no_param_init
+from .inventory import Checkpoint, Entry, open_checkpoint
 from .names import EXPERTS
 
-__all__ = ["load_checkpoint", "load_into"]
+__all__ = ["load_checkpoint", "load_into", "checkpoint_tensors"]
 
 _ROW_CHUNK = 1024  # rows dequantized at a time (a multiple of 128): bounds the float32 temporaries
 _CHECK_ELEMS = 1 << 24  # elements per value-check chunk
@@ -34,12 +44,30 @@ _PACKED_ST = {"I8", "U8"}
 _FP8_DT = {torch.float8_e4m3fn}
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where an op writes: model tensor `name`, or expert `index` of it; shape and dtype as planned."""
+
+    name: str
+    index: int | None
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def of(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = out[self.name]
+        return t if self.index is None else t[self.index]
+
+
 @dataclass
 class _Op:
-    """Fill one model tensor (or an expert's slice of one) from checkpoint entries."""
+    """Fill one model tensor (or an expert's slice of one, with its scale) from checkpoint entries.
+    `unit` names the model tensor whose unit the op belongs to; `run(sources, out)` writes into
+    the unit's tensors `out` (model name -> tensor)."""
 
+    unit: str
+    fills: tuple[str, ...]  # model tensors it writes
     sources: list[tuple[str, Entry]]  # (canonical name, entry)
-    run: Callable[[list[torch.Tensor]], None]
+    run: Callable[[list[torch.Tensor], dict[str, torch.Tensor]], None]
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +131,7 @@ class _Planner:
             self._bad(name, f"has {n} non-finite value(s)")
 
     # ---- plan entries ---------------------------------------------------------------------
-    def plain(self, name: str, target: torch.Tensor) -> None:
+    def plain(self, name: str, target: _Slot) -> None:
         """Norms, mHC, sinks, ape, gate, embed, head, float linears with no scale, tid2eid."""
         want = f"{str(target.dtype).replace('torch.', '')} {list(target.shape)}"
         e = self._get(name, want)
@@ -118,17 +146,17 @@ class _Planner:
             return
         is_tid = name.endswith("gate.tid2eid")
 
-        def run(ts: list[torch.Tensor]) -> None:
+        def run(ts: list[torch.Tensor], out: dict[str, torch.Tensor]) -> None:
             (t,) = ts
             if target.dtype.is_floating_point:
                 self._check_float(name, t)
             elif is_tid and self.check and self._count(t, lambda x: (x < 0) | (x >= self.n_experts)):
                 self._bad(name, f"has expert ids outside [0, {self.n_experts})")
-            target.copy_(t)
+            target.of(out).copy_(t)
 
-        self.ops.append(_Op([(name, e)], run))
+        self.ops.append(_Op(target.name, (target.name,), [(name, e)], run))
 
-    def weight(self, name: str, target: torch.Tensor, target_scale: torch.Tensor | None) -> None:
+    def weight(self, name: str, target: _Slot, target_scale: _Slot | None) -> None:
         """A linear / expert weight `X.weight` with its `X.scale` (if the checkpoint or model has one)."""
         sname = name[: -len("weight")] + "scale"
         if target.dtype in _FP8_DT or target.dtype == torch.uint8:
@@ -153,16 +181,16 @@ class _Planner:
             if not ok:
                 return
 
-            def run(ts: list[torch.Tensor]) -> None:
+            def run(ts: list[torch.Tensor], out: dict[str, torch.Tensor]) -> None:
                 w, sc = ts
                 if fmt == "fp8":
                     self._check_fp8(name, w)
-                    target.copy_(w)
+                    target.of(out).copy_(w)
                 else:
-                    target.copy_(w.view(torch.uint8))
-                self._copy_scale(sname, sc, target_scale)
+                    target.of(out).copy_(w.view(torch.uint8))
+                self._copy_scale(sname, sc, target_scale.of(out))
 
-            self.ops.append(_Op([(name, e), (sname, s)], run))
+            self.ops.append(_Op(target.name, (target.name, target_scale.name), [(name, e), (sname, s)], run))
             return
 
         # float model tensor: plain copy, or dequantize an FP8 / MXFP4 checkpoint tensor
@@ -178,14 +206,14 @@ class _Planner:
             ok = self._shape(name, e, (n, k)) & self._shape(sname, s, grid)
             ok &= self._dtype(sname, s, {"F8_E8M0", "F32"}, "FP8 block scales")
             if ok:
-                self.ops.append(_Op([(name, e), (sname, s)],
-                                    lambda ts: self._dequant(name, sname, ts, target, "fp8")))
+                self.ops.append(_Op(target.name, (target.name,), [(name, e), (sname, s)],
+                                    lambda ts, out: self._dequant(name, sname, ts, target.of(out), "fp8")))
         elif e.dtype in _PACKED_ST:
             ok = self._shape(name, e, (n, k // 2)) & self._shape(sname, s, (n, k // MXFP4_BLOCK))
             ok &= self._dtype(sname, s, {"F8_E8M0"}, "MXFP4 E8M0 scales")
             if ok:
-                self.ops.append(_Op([(name, e), (sname, s)],
-                                    lambda ts: self._dequant(name, sname, ts, target, "mxfp4")))
+                self.ops.append(_Op(target.name, (target.name,), [(name, e), (sname, s)],
+                                    lambda ts, out: self._dequant(name, sname, ts, target.of(out), "mxfp4")))
         else:
             self._dtype(name, e, {"F8_E4M3", "I8", "U8"}, "a quantized weight (it has a scale)")
 
@@ -216,25 +244,32 @@ class _Planner:
             target[rows].copy_(v)
 
 
-def _plan(model: nn.Module, entries: dict[str, Entry], n_experts: int, check_values: bool,
+def _plan(targets: dict[str, torch.Tensor], entries: dict[str, Entry], n_experts: int, check_values: bool,
           ignore: Callable[[str], bool]) -> _Planner:
+    """Ops for every model tensor of `targets` (a state dict: only shapes and dtypes are read, so
+    meta tensors do), in its order."""
     plan = _Planner(entries, check_values, n_experts)
-    targets = model.state_dict()
+
+    def slot(name: str, index: int | None = None) -> _Slot | None:
+        t = targets.get(name)
+        if t is None:
+            return None
+        return _Slot(name, index, t.shape[1:] if index is not None else t.shape, t.dtype)
+
     for name, t in targets.items():
         m = EXPERTS.match(name)
         if m:
             if m.group(3):
                 continue  # handled with its weight
             prefix, w = m.group(1), m.group(2)
-            ts = targets.get(f"{name}_scale")
             for e in range(t.shape[0]):
-                plan.weight(f"{prefix}.{e}.{w}.weight", t[e], None if ts is None else ts[e])
+                plan.weight(f"{prefix}.{e}.{w}.weight", slot(name, e), slot(f"{name}_scale", e))
         elif name.endswith(".scale") and name[:-6] + ".weight" in targets:
             continue  # handled with its weight
         elif name.endswith(".weight") and t.dim() == 2:
-            plan.weight(name, t, targets.get(name[:-7] + ".scale"))
+            plan.weight(name, slot(name), slot(name[:-7] + ".scale"))
         else:
-            plan.plain(name, t)
+            plan.plain(name, slot(name))
     for name in entries:
         if name not in plan.used and not ignore(name):
             plan.problems.append(f"extra: {name} ({entries[name].describe()} in {entries[name].file}) "
@@ -242,15 +277,11 @@ def _plan(model: nn.Module, entries: dict[str, Entry], n_experts: int, check_val
     return plan
 
 
-class _Shards:
-    """Open shards on first use, close each when its last pending tensor has been copied."""
+class _Files:
+    """The shards one unit reads, opened on first use and all closed by `close()`."""
 
-    def __init__(self, root: Path, ops: list[_Op]):
+    def __init__(self, root: Path):
         self.root = root
-        self.pending: dict[str, int] = {}
-        for op in ops:
-            for f in {e.file for _, e in op.sources}:
-                self.pending[f] = self.pending.get(f, 0) + 1
         self.open: dict[str, Any] = {}
 
     def tensor(self, e: Entry) -> torch.Tensor:
@@ -267,16 +298,49 @@ class _Shards:
             t = t[x, lo:hi]
         return t
 
-    def done(self, op: _Op) -> None:
-        for f in {e.file for _, e in op.sources}:
-            self.pending[f] -= 1
-            if self.pending[f] == 0 and f in self.open:
-                self.open.pop(f).__exit__(None, None, None)
-
     def close(self) -> None:
         for h in self.open.values():
             h.__exit__(None, None, None)
         self.open.clear()
+
+
+def _fill(ckpt: Checkpoint, plan: _Planner, alloc: Callable[[str], torch.Tensor],
+          progress: bool | None) -> Iterator[dict[str, torch.Tensor]]:
+    """Run the plan unit by unit in the model's order: `alloc(name)` gives the tensor to fill, each
+    filled unit is yielded ({model name: tensor}); value problems raise after the last one."""
+    units: dict[str, list[_Op]] = {}
+    for op in plan.ops:
+        units.setdefault(op.unit, []).append(op)
+    bar = tqdm(total=sum(e.nbytes for op in plan.ops for _, e in op.sources), unit="B", unit_scale=True,
+               desc=f"loading {ckpt.path.name}", disable=None if progress is None else not progress, leave=False)
+    try:
+        for ops in units.values():
+            out = {n: alloc(n) for n in dict.fromkeys(n for op in ops for n in op.fills)}
+            files = _Files(ckpt.path)
+            try:
+                for op in ops:
+                    op.run([files.tensor(e) for _, e in op.sources], out)
+                    bar.update(sum(e.nbytes for _, e in op.sources))
+            finally:
+                files.close()
+            yield out
+    finally:
+        bar.close()
+    if plan.value_problems:
+        raise CheckpointError(ckpt.path, plan.value_problems)
+
+
+def _ignore_mtp(n_mtp: int, skip_mtp: bool) -> Callable[[str], bool]:
+    """Checkpoint tensors that have no place in a model with `n_mtp` MTP blocks but are no error."""
+
+    def ignore(name: str) -> bool:
+        m = re.match(r"^mtp\.(\d+)\.(.*)$", name)
+        if m is None:
+            return False
+        # convert.py drops these if present: MTP shares the model's embed and head (spec §2.10)
+        return m.group(2) in ("embed.weight", "head.weight") or (skip_mtp and int(m.group(1)) >= n_mtp)
+
+    return ignore
 
 
 @torch.no_grad()
@@ -291,33 +355,58 @@ def load_into(model: Transformer, ckpt: Checkpoint | str | os.PathLike, *, check
     `skip_mtp` ignores `mtp.*` tensors the model has no block for."""
     if not isinstance(ckpt, Checkpoint):
         ckpt = open_checkpoint(ckpt)
-    n_mtp = len(getattr(model, "mtp", ()))
-
-    def ignore(name: str) -> bool:
-        m = re.match(r"^mtp\.(\d+)\.(.*)$", name)
-        if m is None:
-            return False
-        # convert.py drops these if present: MTP shares the model's embed and head (spec §2.10)
-        return m.group(2) in ("embed.weight", "head.weight") or (skip_mtp and int(m.group(1)) >= n_mtp)
-
-    plan = _plan(model, ckpt.entries, model.cfg.n_routed_experts, check_values, ignore)
+    targets = model.state_dict()
+    plan = _plan(targets, ckpt.entries, model.cfg.n_routed_experts, check_values,
+                 _ignore_mtp(len(getattr(model, "mtp", ())), skip_mtp))
     if plan.problems:
         raise CheckpointError(ckpt.path, plan.problems)
-    order = {f: i for i, f in enumerate(ckpt.files)}
-    ops = sorted(plan.ops, key=lambda op: min(order[e.file] for _, e in op.sources))
-    shards = _Shards(ckpt.path, ops)
-    bar = tqdm(total=sum(op.nbytes for op in ops), unit="B", unit_scale=True, desc=f"loading {ckpt.path.name}",
-               disable=None if progress is None else not progress, leave=False)
-    try:
-        for op in ops:
-            op.run([shards.tensor(e) for _, e in op.sources])
-            shards.done(op)
-            bar.update(op.nbytes)
-    finally:
-        shards.close()
-        bar.close()
-    if plan.value_problems:
-        raise CheckpointError(ckpt.path, plan.value_problems)
+    for _ in _fill(ckpt, plan, targets.__getitem__, progress):
+        pass
+
+
+@torch.no_grad()
+def checkpoint_tensors(ckpt: Checkpoint | str | os.PathLike, model: Transformer, fp8_dtype: str = "float8_e4m3fn", *,
+                       prefix: str = PARAM_PREFIX, check_values: bool = True,
+                       progress: bool | None = None) -> Iterator[tuple[str, np.ndarray, str]]:
+    """The checkpoint's tensors as `model` holds them, one at a time in its state-dict order (the
+    order of `irpa.param_inventory(model)`): (prefix + name, numpy array in the dtype's storage
+    type, dtype name), for `runtime.weights.write_shards`. `model` only gives shapes and dtypes (an
+    empty or meta-device model does). Layers past the model's count are skipped (an export of the
+    first N layers); FP8 weights come as `fp8_dtype` ("float8_e4m3fnuz" for gfx942: same bytes
+    but 0x80 -> 0x00, block scale x2, formats.fp8_fn_to_fnuz). Structural problems raise one
+    CheckpointError before the first tensor; value problems one after the last. Memory: one unit
+    (at most a stacked expert tensor or the head) plus its conversion."""
+    from dsv4.runtime.random_weights import weight_of_scale
+
+    from ..formats import fp8_fn_to_fnuz
+    from .irpa import dtype_name
+
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
+    if not isinstance(ckpt, Checkpoint):
+        ckpt = open_checkpoint(ckpt)
+    targets = model.state_dict()
+    mtp = _ignore_mtp(model.cfg.n_mtp, True)
+    n_layers = model.cfg.n_layers
+
+    def ignore(name: str) -> bool:
+        m = re.match(r"^layers\.(\d+)\.", name)
+        return mtp(name) or (m is not None and int(m.group(1)) >= n_layers)
+
+    plan = _plan(targets, ckpt.entries, model.cfg.n_routed_experts, check_values, ignore)
+    if plan.problems:
+        raise CheckpointError(ckpt.path, plan.problems)
+    fnuz = fp8_dtype == "float8_e4m3fnuz"
+    for out in _fill(ckpt, plan, lambda n: torch.empty(targets[n].shape, dtype=targets[n].dtype), progress):
+        names = {n: dtype_name(t.dtype) for n, t in out.items()}
+        for sname, owner in ((n, weight_of_scale(n)) for n in list(out)):
+            if fnuz and owner in out and out[owner].dtype == torch.float8_e4m3fn:
+                out[owner], out[sname] = fp8_fn_to_fnuz(out[owner], out[sname])
+                names[owner] = fp8_dtype
+        for n in list(out):
+            t = out.pop(n)  # dropped here once yielded: memory holds one unit
+            yield prefix + n, t.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(names[n])).reshape(t.shape), names[n]
+        t = None
 
 
 def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | None]:
@@ -336,21 +425,6 @@ def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | No
     if exp is not None:
         exp_fmt = {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4"}.get(exp.dtype)
     return lin_fmt, scale_fmt, exp_fmt
-
-
-@contextlib.contextmanager
-def _no_param_init() -> Iterator[None]:
-    """Skip torch's random init while building a model whose every tensor is about to be loaded
-    (nn.Embedding / nn.Linear would otherwise fill vocab-sized tables for nothing)."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, quantized: bool | None = None,

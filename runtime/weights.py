@@ -1,0 +1,297 @@
+"""An export's weights as sharded IREE parameter archives (.irpa), written and read torch-free
+(numpy + iree.runtime).
+
+Files: ``<prefix>-00001-of-0000N.irpa`` (`shard_names`), listed in config.json's ``parameters``
+(runtime/artifact.py documents those fields); an old export's single ``model.irpa`` reads the same
+way. Each archive holds whole tensors under their vmfb keys, each with turbine's metadata
+(``PYTORCH:{"type": "Tensor", "dtype": ..., "shape": [...]}``), so turbine's own readers read them too.
+
+Writing (`write_shards`) takes one (name, array, dtype) at a time and streams it to disk: the
+archive's data goes first and its entry table and header are written when the shard is closed
+(the format allows segments in any order), so memory holds one tensor, never a shard. A shard is
+closed before a tensor that would take it past `shard_bytes` (`plan_shards` is the same rule, so
+the file count is known from the inventory alone); a tensor larger than that gets a shard of its
+own. Files appear under their final names only when complete.
+
+Reading: `open_weights(paths)` maps every key to a read-only uint8 view of the memory-mapped file
+(zero copy); `Weights.tensor(name)` views it with its shape and storage dtype (bfloat16 as uint16,
+FP8 as uint8). `check_weights` compares archives (or a stream) with the inventory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .artifact import DTYPES, TensorSpec, check_irpa
+from .errors import ArtifactError
+
+__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "planned_names", "write_shards", "Weights", "open_weights",
+           "check_weights", "checked", "storage_dtype"]
+
+SHARD_BYTES = 2 << 30  # default shard size: a few files for Flash's ~150 GB, each mmap-friendly
+Tensor = tuple[str, np.ndarray, str]  # (key, array in the dtype's storage type, dtype name)
+
+_MAGIC = 0x41505249  # b"IRPA"
+_HEADER = struct.Struct("<IHHQQQQ" + "QQ" * 3)  # prefix (magic, version 0.0, size, next, flags), count, 3 segments
+_DATA_ENTRY = struct.Struct("<QIQQQQQQQQ")  # size, type, flags, name, metadata, alignment, storage range (76)
+_TYPE_DATA = 2
+_STORAGE_AT = 4096  # the storage segment starts at the first page; entry table and metadata follow it
+_DATA_ALIGN = 64  # every tensor's bytes start at a multiple of this (IREE's default)
+_META = "PYTORCH:"
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """numpy storage type of a DTYPES name (bfloat16 -> uint16, FP8 -> uint8)."""
+    try:
+        return np.dtype(DTYPES[dtype][0])
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}") from None
+
+
+def shard_names(prefix: str, n: int) -> list[str]:
+    """``prefix-00001-of-0000n.irpa`` ... for n shards."""
+    return [f"{prefix}-{i + 1:05d}-of-{n:05d}.irpa" for i in range(n)]
+
+
+def _padded(n: int) -> int:
+    return (n + _DATA_ALIGN - 1) // _DATA_ALIGN * _DATA_ALIGN
+
+
+def plan_shards(sizes: Iterable[int], shard_bytes: int = SHARD_BYTES) -> list[int]:
+    """How many tensors of `sizes` (bytes, in write order) each shard takes: a shard is closed before
+    a tensor that would take its data past `shard_bytes`."""
+    counts: list[int] = []
+    used = 0
+    for n in sizes:
+        if not counts or (counts[-1] and used + n > shard_bytes):
+            counts.append(0)
+            used = 0
+        counts[-1] += 1
+        used += _padded(n)
+    return counts
+
+
+def planned_names(specs: Sequence[TensorSpec], prefix: str = "model", shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """The file names `write_shards` gives the tensors of `specs` written in that order (what an export
+    made without weights lists in config.json)."""
+    return shard_names(prefix, len(plan_shards([s.nbytes for s in specs], shard_bytes)))
+
+
+class _ArchiveWriter:
+    """One .irpa written front to back: tensor data as it comes, then entry table, metadata, header."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "wb")
+        self.f.write(bytes(_STORAGE_AT))
+        self.used = 0  # bytes of the storage segment
+        self.entries: list[tuple[bytes, bytes, int, int]] = []  # name, metadata, offset, length
+
+    def add(self, name: str, data: np.ndarray, dtype: str) -> None:
+        pad = _padded(self.used) - self.used
+        if pad:
+            self.f.write(bytes(pad))
+            self.used += pad
+        meta = f"{_META}{json.dumps({'type': 'Tensor', 'dtype': dtype, 'shape': list(data.shape)})}"
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.f.write(flat.data)
+        self.entries.append((name.encode(), meta.encode(), self.used, flat.nbytes))
+        self.used += flat.nbytes
+
+    def close(self) -> None:
+        table, meta = bytearray(), bytearray()
+        for name, md, off, length in self.entries:
+            entry = _DATA_ENTRY.pack(_DATA_ENTRY.size, _TYPE_DATA, 0, len(meta), len(name), len(meta) + len(name),
+                                     len(md), _DATA_ALIGN, off, length)
+            table += entry + bytes(-len(entry) % 16)
+            meta += name + md
+        table_at = _STORAGE_AT + _padded(self.used)
+        self.f.write(bytes(table_at - _STORAGE_AT - self.used))
+        self.f.write(table)
+        self.f.write(meta)
+        end = table_at + len(table) + len(meta)
+        self.f.write(bytes(-end % 4096))  # whole pages, as IREE's own writer leaves them
+        self.f.seek(0)
+        self.f.write(_HEADER.pack(_MAGIC, 0, 0, _HEADER.size, 0, 0, len(self.entries), table_at, len(table),
+                                  table_at + len(table), len(meta), _STORAGE_AT, self.used))
+        self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+        self.path.unlink(missing_ok=True)
+
+
+def write_shards(out_dir: str | os.PathLike, tensors: Iterable[Tensor], prefix: str = "model",
+                 shard_bytes: int = SHARD_BYTES, *, names: Sequence[str] | None = None,
+                 progress: Callable[[str], None] | None = None, total_bytes: int | None = None) -> list[str]:
+    """Write `tensors` ((key, array, dtype name) one at a time) into .irpa shards in `out_dir`;
+    returns the file names, ``prefix-0000i-of-0000n.irpa`` unless `names` gives them (their count
+    must then be the number of shards written). Existing files of those names are replaced.
+    `progress` gets a line per shard and every ~10 s (GB written, of `total_bytes` when given)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts: list[Path] = []
+    w: _ArchiveWriter | None = None
+    t0 = last = time.perf_counter()
+    done = 0
+    log = progress or (lambda s: None)
+
+    def status() -> str:
+        of = f" of {total_bytes / 1e9:.2f}" if total_bytes else ""
+        return f"{done / 1e9:.2f}{of} GB written, {time.perf_counter() - t0:.0f} s"
+
+    try:
+        for name, arr, dtype in tensors:
+            if not isinstance(arr, np.ndarray) or arr.dtype.itemsize != storage_dtype(dtype).itemsize:
+                raise ValueError(f"{name}: expected a numpy array stored as {storage_dtype(dtype)} for {dtype}, "
+                                 f"got {getattr(arr, 'dtype', type(arr).__name__)}")
+            if w is None or (w.entries and _padded(w.used) + arr.nbytes > shard_bytes):
+                if w is not None:
+                    w.close()
+                    log(f"  shard {len(parts)} closed ({w.used / 1e9:.2f} GB); {status()}")
+                parts.append(out / f".{prefix}-{len(parts) + 1:05d}.irpa.partial")
+                w = _ArchiveWriter(parts[-1])
+            w.add(name, arr, dtype)
+            done += arr.nbytes
+            del arr  # so the next tensor is made while this one is already freed
+            if time.perf_counter() - last > 10:
+                last = time.perf_counter()
+                log(f"  {status()}")
+        if w is None:  # no tensors at all: one empty archive, so the export still names a file
+            parts.append(out / f".{prefix}-00001.irpa.partial")
+            w = _ArchiveWriter(parts[-1])
+        w.close()
+        w = None
+    except BaseException:
+        if w is not None:
+            w.abort()
+        for p in parts:
+            p.unlink(missing_ok=True)
+        raise
+    final = list(names) if names is not None else shard_names(prefix, len(parts))
+    if len(final) != len(parts):
+        for p in parts:
+            p.unlink(missing_ok=True)
+        raise ValueError(f"the weights took {len(parts)} shard(s) of at most {shard_bytes} bytes, but "
+                         f"{len(final)} file name(s) were given ({', '.join(final)})")
+    for p, f in zip(parts, final):
+        p.replace(out / f)
+    log(f"wrote {len(final)} file(s) to {out}: {status()}")
+    return final
+
+
+class Weights(Mapping[str, np.ndarray]):
+    """The parameters of one or more .irpa files: key -> read-only uint8 view of the memory map.
+
+    The views stay valid while this object lives. `tensor(key)` gives the typed view, `spec(key)`
+    the (shape, dtype) recorded in the archive (None for an entry without turbine metadata),
+    `file_of(key)` the file that holds it."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike]):
+        import iree.runtime as rt
+
+        self.paths = [Path(p) for p in paths]
+        self._indices = []
+        self._entries: dict[str, Any] = {}
+        self._files: dict[str, Path] = {}
+        for p in self.paths:
+            check_irpa(p)
+            idx = rt.ParameterIndex()
+            try:
+                idx.load(str(p))
+            except (RuntimeError, ValueError, OSError) as e:
+                raise ArtifactError(f"{p}: cannot load the parameter archive: {e}") from None
+            self._indices.append(idx)
+            for key, e in idx.items():
+                if key in self._entries:
+                    raise ArtifactError(f"{p}: parameter {key} is also in {self._files[key].name}")
+                if not e.is_file:
+                    raise ArtifactError(f"{p}: parameter {key} holds no data (a splat entry)")
+                self._entries[key] = e
+                self._files[key] = p
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return np.frombuffer(self._entries[key].file_view, dtype=np.uint8)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self, key: str) -> int:
+        return int(self._entries[key].length)
+
+    def file_of(self, key: str) -> Path:
+        return self._files[key]
+
+    def spec(self, key: str) -> tuple[tuple[int, ...], str] | None:
+        meta = bytes(self._entries[key].metadata).decode("utf-8", "replace")
+        if not meta.startswith(_META):
+            return None
+        d = json.loads(meta[len(_META):])
+        return tuple(int(x) for x in d["shape"]), str(d["dtype"])
+
+    def tensor(self, key: str, shape: Sequence[int] | None = None, dtype: str | None = None) -> np.ndarray:
+        """The entry viewed as `shape` in `dtype`'s storage type (from the archive's metadata when not
+        given); ArtifactError when the byte size or the recorded shape/dtype disagree."""
+        where = self._files[key]
+        rec = self.spec(key)
+        if shape is None or dtype is None:
+            if rec is None:
+                raise ArtifactError(f"{where}: {key} has no shape/dtype metadata; pass them")
+            shape, dtype = shape if shape is not None else rec[0], dtype or rec[1]
+        shape = tuple(int(x) for x in shape)
+        if rec is not None and rec != (shape, dtype):
+            raise ArtifactError(f"{where}: {key} is {rec[1]} {list(rec[0])}, expected {dtype} {list(shape)}")
+        spec = TensorSpec(key, shape, dtype)
+        if self.nbytes(key) != spec.nbytes:
+            raise ArtifactError(f"{where}: {key} has {self.nbytes(key)} bytes, {dtype} {list(shape)} needs {spec.nbytes}")
+        return self[key].view(storage_dtype(dtype)).reshape(shape)
+
+
+def open_weights(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Weights:
+    """Memory-map .irpa file(s); see `Weights`."""
+    return Weights([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
+
+
+def check_weights(found: Mapping[str, int], specs: Sequence[TensorSpec]) -> list[str]:
+    """Problems of archives holding {key: bytes} against the inventory: missing, extra, wrong size."""
+    problems = []
+    want = {s.name: s for s in specs}
+    for s in specs:
+        n = found.get(s.name)
+        if n is None:
+            problems.append(f"missing: {s.name} ({s.dtype} {list(s.shape)})")
+        elif n != s.nbytes:
+            problems.append(f"size: {s.name} has {n} bytes, {s.dtype} {list(s.shape)} needs {s.nbytes}")
+    problems += [f"extra: {k} is not in config.json's weights" for k in found if k not in want]
+    return problems
+
+
+def checked(tensors: Iterable[Tensor], specs: Sequence[TensorSpec]) -> Iterator[Tensor]:
+    """Pass `tensors` through, checking each against the inventory (name, shape, dtype) and, at the
+    end, that every tensor of it came; ValueError naming the first problem."""
+    want = {s.name: s for s in specs}
+    seen: set[str] = set()
+    for name, arr, dtype in tensors:
+        s = want.get(name)
+        if s is None:
+            raise ValueError(f"{name} is not in the weights inventory")
+        if name in seen:
+            raise ValueError(f"{name} came twice")
+        if (tuple(arr.shape), dtype) != (s.shape, s.dtype) or arr.dtype.itemsize != storage_dtype(dtype).itemsize:
+            raise ValueError(f"{name}: got {dtype} {list(arr.shape)}, the inventory says {s.dtype} {list(s.shape)}")
+        seen.add(name)
+        yield name, arr, dtype
+    missing = [s.name for s in specs if s.name not in seen]
+    if missing:
+        raise ValueError(f"{len(missing)} tensor(s) of the inventory never came, e.g. {', '.join(missing[:3])}")
