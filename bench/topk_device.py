@@ -71,7 +71,10 @@ def prepare(args: argparse.Namespace) -> None:
     if not args.export:
         return
     cfg = json.loads((src / "config.json").read_text())
-    shutil.copy(src / cfg["parameters"], out / "model.irpa")
+    files = [cfg["parameters"]] if isinstance(cfg["parameters"], str) else cfg["parameters"]
+    if len(files) != 1:
+        raise SystemExit(f"{src}: expected one weight file, got {files}")
+    shutil.copy(src / files[0], out / "model.irpa")
 
     model = load_checkpoint(src / "hf", dtype=torch.float32, overrides=dict(quant_sim=False, max_seq_len=4096)).eval()
     toks = torch.randint(0, model.cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(11))

@@ -94,10 +94,6 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     return p
 
 
-def _layers(cfg, n: int | None):
-    return cfg if n is None else cfg.first_layers(n)
-
-
 def parameter_counts(model) -> tuple[int, int, int]:
     """(weights as trained, of which a packed MXFP4 byte holds 2; FP8/FP4 block scales; tensor
     elements stored). Integer tables (hash routing) are in neither of the first two."""
@@ -145,7 +141,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         import torch
 
         from dsv4.model.config import ModelConfig
-        from dsv4.model.model import Transformer, empty_model, init_random
+        from dsv4.model.model import empty_model
 
         stage = "load"
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -155,31 +151,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.quant_sim is not None:
             overrides["quant_sim"] = args.quant_sim == "on"
         tokenizer = None
-        weights = "model"
         if not args.preset:
-            from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+            from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, checkpoint_tensors, load_checkpoint
 
             ckpt = Path(args.checkpoint) if args.checkpoint else EMBEDDED_CHECKPOINT
             tok = ckpt / "tokenizer.json"
             tokenizer = tok if tok.is_file() else None
-            if args.layers and not args.no_weights:
-                raise ValueError("--layers with --checkpoint needs --no-weights (a checkpoint's weights are "
-                                 "exported whole; cut layers from a --preset instead)")
-            if args.no_weights:
-                cfg = _layers(ModelConfig.from_json(ckpt, **overrides), args.layers)
-                model, weights = empty_model(cfg, dtype), None
-                log(f"checkpoint {ckpt}: config only (--no-weights)")
-            else:
-                log(f"loading checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)"))
-                model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides)
+            log(f"checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)") +
+                (": config only (--no-weights)" if args.no_weights else ": tensors streamed into the .irpa shards"))
+            model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides, weights=False, layers=args.layers)
+            weights = None if args.no_weights else (lambda specs, fp8: checkpoint_tensors(ckpt, model, fp8))
         else:
-            cfg = _layers(ModelConfig.preset(args.preset, **overrides), args.layers)
+            from dsv4.runtime.random_weights import random_tensors
+
+            cfg = ModelConfig.preset(args.preset, **overrides)
+            cfg = cfg if args.layers is None else cfg.first_layers(args.layers)
+            model = empty_model(cfg, dtype)
             if args.no_weights:
                 log(f"preset {args.preset}: no weights (--no-weights)")
-                model, weights = empty_model(cfg, dtype), None
+                weights = None
             else:
-                log(f"preset {args.preset}: random weights (seed {args.seed})")
-                model = init_random(Transformer(cfg, dtype=dtype), seed=args.seed)
+                log(f"preset {args.preset}: random weights in the release format (seed {args.seed}, "
+                    "as `dsv4 weights random` writes them)")
+                weights = lambda specs, fp8: random_tensors(specs, cfg.to_dict(), args.seed)  # noqa: E731
         cfg = model.cfg
         log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {_count(model)}, "
             f"{args.dtype}")
@@ -205,12 +199,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name, info in res.config["targets"].items():
         size = (res.out_dir / info["vmfb"]).stat().st_size
         print(f"  {name}: {info['vmfb']} ({size / 1e6:.2f} MB, compiled in {info['compile_s']:.1f} s)")
-    irpa = res.out_dir / res.config["parameters"]
-    if irpa.is_file():
-        print(f"  parameters: {irpa.name} ({irpa.stat().st_size / 1e6:.1f} MB); config: {res.config_path}")
+    files = [res.out_dir / f for f in res.config["parameters"]]
+    if all(f.is_file() for f in files):
+        size = sum(f.stat().st_size for f in files)
+        print(f"  parameters: {files[0].name}{' ...' if len(files) > 1 else ''} ({len(files)} file(s), "
+              f"{size / 1e6:.1f} MB); config: {res.config_path}")
     else:
-        print(f"  parameters: none (--no-weights; `dsv4 weights random {res.out_dir}` writes {irpa.name}); "
-              f"config: {res.config_path}")
+        print(f"  parameters: none (--no-weights; `dsv4 weights random {res.out_dir}` writes {len(files)} "
+              f"file(s)); config: {res.config_path}")
     if not res.config["functions"].get("score_bs1"):
         print("  (no score_bs1: `dsv4 score` needs an export without --no-score)")
     return 0

@@ -49,7 +49,8 @@ from torch import nn
 if TYPE_CHECKING:
     import numpy as np
 
-from dsv4.runtime.artifact import (FORMAT, PARAM_SCOPE, VERSION, build_config, check_out_dir, function_abi,
+from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
+                                   function_abi,
                                    new_export_id, staged_export, write_config)
 
 from . import compat as _compat
@@ -171,33 +172,23 @@ def _fp8_dtype(model: nn.Module, flavour: str) -> Iterator[None]:
             setattr(mod, pname, p)
 
 
-def _model_tensors(model: nn.Module, flavour: str, prefix: str = "model.") -> Iterator[tuple[str, "np.ndarray"]]:
-    """The model's own weights, one tensor at a time, as (parameter key, uint8 bytes); for "fnuz"
-    each e4m3fn weight and its block scale are converted together (formats.fp8_fn_to_fnuz)."""
+def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -> Iterator[tuple[str, "np.ndarray", str]]:
+    """The model's own weights, one tensor at a time, as (parameter key, array in the dtype's storage
+    type, dtype name), in state-dict order; for "fnuz" each e4m3fn weight and its block scale are
+    converted together (formats.fp8_fn_to_fnuz)."""
+    from dsv4.model.checkpoint.irpa import dtype_name
     from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.runtime.weights import storage_dtype
 
     for mname, mod in model.named_modules():
-        own = dict(mod.named_parameters(recurse=False))
+        own = {k: v for k, v in mod.named_parameters(recurse=False)}
         if flavour == "fnuz":
             for pname, sname in list(_fp8_pairs(mod)):
                 own[pname], own[sname] = fp8_fn_to_fnuz(own[pname].data, own[sname].data)
         for pname, t in own.items():
-            yield f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}", _bytes(t)
-
-
-def _bytes(t: torch.Tensor) -> "np.ndarray":
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _inventory(entry: nn.Module) -> list[list[Any]]:
-    """config.json's weights.tensors: [key, shape, dtype] of every externalized parameter, in order."""
-    from iree.turbine.aot import ExternalTensorTrait
-
-    out = []
-    for _, p in entry.named_parameters():
-        trait = ExternalTensorTrait.get(p)
-        out.append([trait.external_name, list(p.shape), str(p.dtype).removeprefix("torch.")])
-    return out
+            dt = dtype_name(t.dtype)
+            arr = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dt))
+            yield f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}", arr.reshape(t.shape), dt
 
 
 def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
@@ -323,16 +314,15 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
 def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dtype, cfg, n_slots: int,
                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                 export_id: str, mlir_path: Path, log: Callable[[str], None], timings: dict[str, float],
-                tag: str, probe_topk: bool, kernels: dict[str, str]) -> list[list[Any]]:
-    """Trace every entry point and import them into one MLIR module; returns the parameter inventory
-    (the graph reads parameters by name from the .irpa, so tracing never touches weight values)."""
+                tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
+    """Trace every entry point and import them into one MLIR module (the graph reads parameters by
+    name from the .irpa, so tracing never touches weight values)."""
     from iree.turbine import aot
 
     from dsv4.model.state import state_spec
 
     entry = _Entry(model, state_names).eval()
     aot.externalize_module_parameters(entry, external_scope=PARAM_SCOPE)
-    inventory = _inventory(entry)
 
     fxb = aot.FxProgramsBuilder(entry)
     state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec(cfg, n_slots, state_dtype).values()]
@@ -379,7 +369,6 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
         raise ExportError("import", _short(e), _ops_of(e)) from e
     timings[f"import{tag}"] = time.perf_counter() - t0
     log(f"imported -> {mlir_path.name} ({mlir_path.stat().st_size / 1e6:.1f} MB, {timings[f'import{tag}']:.1f} s)")
-    return inventory
 
 
 def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: Sequence[str] = ("gfx942",),
@@ -449,7 +438,9 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                  weights: "WeightSource | str | None") -> dict[str, Any]:
     """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
     (with the stage timings under "_timings", removed by the caller)."""
+    from dsv4.model.checkpoint.irpa import param_inventory
     from dsv4.model.state import state_spec
+    from dsv4.runtime.weights import SHARD_BYTES
 
     state_names = list(state_spec(cfg, n_slots, act))
     export_id = new_export_id()
@@ -462,7 +453,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
     target_info: dict[str, dict[str, Any]] = {}
     first_files: list[str] = []
-    first_inventory: list[list[Any]] = []
+    first_specs: list[Any] = []
     for gi, (flavour, gtargets) in enumerate(groups.items()):
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
@@ -470,20 +461,12 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
             f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
         with _fp8_dtype(model, flavour):
-            inventory = _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens,
-                                    max_chunk, export_id, mlir_path, log, timings, tag, probe_topk, kernels)
-        if weights is None:
-            files = [f"model{suffix}.irpa"]
-            log(f"no weights written (--no-weights): `dsv4 weights random {out}` makes them")
-        else:
-            t0 = time.perf_counter()
-            source = _model_tensors(model, flavour) if weights == "model" else weights(inventory, flavour)
-            files = _write_weights(stage, f"model{suffix}", source, inventory)
-            timings[f"weights{tag}"] = time.perf_counter() - t0
-            size = sum((stage / f).stat().st_size for f in files)
-            log(f"weights -> {', '.join(files)} ({size / 1e6:.1f} MB, {timings[f'weights{tag}']:.1f} s)")
+            specs = param_inventory(model)
+            _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
+                        export_id, mlir_path, log, timings, tag, probe_topk, kernels)
+        files = _weights_stage(stage, f"model{suffix}", model, flavour, specs, weights, out, log, timings, tag)
         if gi == 0:
-            first_files, first_inventory = files, inventory
+            first_files, first_specs = files, specs
         for t in gtargets:
             vmfb = stage / f"model.{t.name}.vmfb"
             log(f"compiling {t.label} ...")
@@ -497,8 +480,9 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             log(f"compiled {t.label} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
             info = {"vmfb": vmfb.name, "flags": list(res.flags), "compile_s": round(res.seconds, 2),
                     "driver": t.driver}
-            if suffix:
-                info["parameters"] = files[0]
+            if suffix:  # this group's own weight files: the inventory with its FP8 dtype
+                info["parameters"] = files
+                info["fp8_dtype"] = "float8_e4m3fnuz"
             target_info[t.name] = info
         if not keep_mlir:
             mlir_path.unlink(missing_ok=True)
@@ -518,40 +502,37 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
         prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,
         score_batch_sizes=score_bs, state=state_entries(cfg, n_slots, act), targets=target_info,
-        parameters=first_files[0], tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
-        eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra)
-    config["weights"] = {"tensors": first_inventory}
+        parameters=first_files, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
+        eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra,
+        weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES})
     write_config(stage, config)
     return {**config, "_timings": timings}
 
 
-# (key, uint8 bytes) one tensor at a time, given the inventory and the FP8 flavour ("default"/"fnuz")
-WeightSource = Callable[[list[list[Any]], str], Iterable[tuple[str, "np.ndarray"]]]
+# (key, array in the dtype's storage type, dtype name) one tensor at a time, given the inventory
+# (with this group's FP8 dtype) and that FP8 dtype name
+WeightSource = Callable[[list[Any], str], Iterable[tuple[str, "np.ndarray", str]]]
 
 
-def _write_weights(stage: Path, stem: str, tensors: Iterable[tuple[str, "np.ndarray"]],
-                   inventory: list[list[Any]]) -> list[str]:
-    """Write `tensors` into stage/<stem>.irpa, checking each against the inventory (name, byte size)
-    and that none is missing; returns the file names."""
-    import iree.runtime as rt
-    import numpy as np
+def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, specs: list[Any],
+                   weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
+                   timings: dict[str, float], tag: str) -> list[str]:
+    """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
+    the inventory) or, without weights, name the files `dsv4 weights random` will write."""
+    from dsv4.runtime.weights import SHARD_BYTES, checked, planned_names, write_shards
 
-    want = {k: int(np.prod(shape, dtype=np.int64)) * _itemsize(dt) for k, shape, dt in inventory}
-    index, seen = rt.ParameterIndex(), set()
-    for key, arr in tensors:
-        if key not in want:
-            raise ExportError("weights", f"weight {key!r} is not a parameter of the traced model")
-        if arr.nbytes != want[key]:
-            raise ExportError("weights", f"weight {key}: {arr.nbytes} bytes, the graph expects {want[key]}")
-        index.add_buffer(key, arr)
-        seen.add(key)
-    missing = [k for k in want if k not in seen]
-    if missing:
-        raise ExportError("weights", f"{len(missing)} weight(s) missing, e.g. {', '.join(missing[:3])}")
-    name = f"{stem}.irpa"
-    index.create_archive_file(str(stage / name))
-    return [name]
-
-
-def _itemsize(dtype_name: str) -> int:
-    return getattr(torch, dtype_name).itemsize
+    if weights is None:
+        files = planned_names(specs, prefix, SHARD_BYTES)
+        log(f"no weights written (--no-weights): `dsv4 weights random {out}` writes {len(files)} file(s)")
+        return files
+    fp8 = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
+    t0 = time.perf_counter()
+    source = _model_tensors(model, flavour) if weights == "model" else weights(specs, fp8)
+    total = sum(s.nbytes for s in specs)
+    try:
+        files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total)
+    except ValueError as e:
+        raise ExportError("weights", str(e)) from None
+    timings[f"weights{tag}"] = time.perf_counter() - t0
+    log(f"weights -> {len(files)} file(s), {total / 1e6:.1f} MB, {timings[f'weights{tag}']:.1f} s")
+    return files

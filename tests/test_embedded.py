@@ -179,12 +179,13 @@ def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp
     assert "\ufffd" not in text  # whole UTF-8 characters, i.e. real text pieces
 
 
-def _irpa(path: Path) -> dict[str, bytes]:
-    """Every parameter of an .irpa archive: name (without the 'model.' scope) -> raw bytes."""
+def _irpa(paths: "tuple[Path, ...]") -> dict[str, bytes]:
+    """Every parameter of .irpa shards: name (without the 'model.' scope) -> raw bytes."""
     import iree.runtime as rt
 
     index = rt.ParameterIndex()
-    index.load(str(path))
+    for p in paths:
+        index.load(str(p))
     return {k.removeprefix("model."): bytes(e.file_view) for k, e in index.items()}
 
 
@@ -195,16 +196,19 @@ def _fp8_weights(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def test_gfx942_gets_the_fnuz_weights(export_dir, engine, fp8_model):
     """The gfx942 hand-off (the FNUZ/OCP mix-up that breaks FP8 models on MI300X): config.json
-    names model.fnuz.irpa for gfx942 only, Engine resolves it, and that archive holds exactly the
-    e4m3fnuz re-encoding of every FP8 weight (same bits, block scale x2) while model.irpa holds the
+    names the model.fnuz-* shards for gfx942 only, Engine resolves them, and they hold exactly the
+    e4m3fnuz re-encoding of every FP8 weight (same bits, block scale x2) while the model-* shards hold the
     checkpoint's e4m3fn bytes. Swapping the two archives fails here."""
     from dsv4.model.formats import fp8_fn_to_fnuz
 
     targets = engine.config.targets
-    assert targets["gfx942"]["parameters"] == "model.fnuz.irpa" and "parameters" not in targets["llvm-cpu"]
-    assert engine.config.parameters_for("gfx942") == (export_dir / "model.fnuz.irpa",)
-    assert engine.config.parameters_for("llvm-cpu") == (export_dir / "model.irpa",) == engine.parameters_paths
-    fn, fnuz = _irpa(export_dir / "model.irpa"), _irpa(export_dir / "model.fnuz.irpa")
+    fn_files, fnuz_files = engine.config.parameters, engine.config.parameters_for("gfx942")
+    assert targets["gfx942"]["fp8_dtype"] == "float8_e4m3fnuz" and "parameters" not in targets["llvm-cpu"]
+    assert targets["gfx942"]["parameters"] == [f.name for f in fnuz_files]
+    assert all(f.name.startswith("model.fnuz-") for f in fnuz_files)
+    assert engine.config.parameters_for("llvm-cpu") == fn_files == engine.parameters_paths
+    assert not set(fn_files) & set(fnuz_files)
+    fn, fnuz = _irpa(fn_files), _irpa(fnuz_files)
     assert fn.keys() == fnuz.keys()
     weights = _fp8_weights(fp8_model)
     assert len(weights) > 10
@@ -222,7 +226,7 @@ def test_gfx942_gets_the_fnuz_weights(export_dir, engine, fp8_model):
 @pytest.fixture(scope="module")
 def fnuz_on_cpu(export_dir, tmp_path_factory):
     """The gfx942 flavour of the graph (e4m3fnuz weights and decode) compiled for llvm-cpu, as an
-    export directory of its own whose llvm-cpu target reads model.fnuz.irpa (the vmfb is cached
+    export directory of its own whose llvm-cpu target reads the model.fnuz-* shards (the vmfb is cached
     next to the export)."""
     import json
 
@@ -236,7 +240,9 @@ def fnuz_on_cpu(export_dir, tmp_path_factory):
         tmp.rename(vmfb)
     out = tmp_path_factory.mktemp("fnuz_on_cpu")
     cfg = json.loads((export_dir / "config.json").read_text())
-    cfg["targets"]["llvm-cpu"] = {**cfg["targets"]["llvm-cpu"], "vmfb": vmfb.name, "parameters": "model.fnuz.irpa"}
+    cfg["targets"]["llvm-cpu"] = {**cfg["targets"]["llvm-cpu"], "vmfb": vmfb.name,
+                                  "parameters": cfg["targets"]["gfx942"]["parameters"],
+                                  "fp8_dtype": "float8_e4m3fnuz"}
     (out / "config.json").write_text(json.dumps(cfg))
     for f in export_dir.iterdir():
         if f.name != "config.json":
@@ -247,7 +253,7 @@ def fnuz_on_cpu(export_dir, tmp_path_factory):
 def test_gfx942_flavour_runs_on_llvm_cpu_like_the_fn_one(fnuz_on_cpu, engine, windows):
     """fnuz values are exactly fn values / 2 and the scale doubles, so the decoded weights, and the
     scores, are the fn flavour's exactly (measured: bit-equal log-probabilities)."""
-    assert [p.name for p in fnuz_on_cpu.parameters_paths] == ["model.fnuz.irpa"]
+    assert all(p.name.startswith("model.fnuz-") for p in fnuz_on_cpu.parameters_paths)
     a = engine.score(windows[1], add_bos=False).logprobs[1:]
     b = fnuz_on_cpu.score(windows[1], add_bos=False).logprobs[1:]
     diff = max(abs(x - y) for x, y in zip(a, b))

@@ -65,7 +65,7 @@ def art() -> dict:
                               lambda out: export_model(tiny_model(), tiny_cfg(), out, **EXPORT_ARGS, progress=print),
                               [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
     cfg = json.loads((cache / "config.json").read_text())
-    mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], cache / cfg["parameters"])
+    mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], [cache / f for f in cfg["parameters"]])
     return {"dir": cache, "config": cfg, "module": mod, "model": tiny_model()}
 
 
@@ -311,11 +311,11 @@ def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
 
     q = _quantized_tiny()
     z = copy.deepcopy(q)
-    written = dict(_model_tensors(q, "fnuz", prefix=""))  # what the gfx942 .irpa receives
+    written = {k: a for k, a, _ in _model_tensors(q, "fnuz", prefix="")}  # what the gfx942 .irpa receives
     for mod_name, mod in z.named_modules():
         for pname, p in list(mod.named_parameters(recurse=False)):
             dt = torch.float8_e4m3fnuz if p.dtype == torch.float8_e4m3fn else p.dtype
-            b = torch.from_numpy(written[f"{mod_name}.{pname}" if mod_name else pname].copy())
+            b = torch.from_numpy(written[f"{mod_name}.{pname}" if mod_name else pname].reshape(-1).view(np.uint8).copy())
             setattr(mod, pname, torch.nn.Parameter(b.view(dt).view(p.shape), requires_grad=False))
     assert _has_fp8(q)
     fp8 = [n for n, p in q.named_parameters() if p.dtype == torch.float8_e4m3fn]

@@ -274,7 +274,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     assert len(calls) == 3 * cfg.n_layers, calls  # 3 programs x the backbone's MoE layers
     ensure_runtime_flags()
     c = res.config
-    mod = IreeModule(tmp_path / c["targets"]["llvm-cpu"]["vmfb"], tmp_path / c["parameters"])
+    mod = IreeModule(tmp_path / c["targets"]["llvm-cpu"]["vmfb"], [tmp_path / f for f in c["parameters"]])
     st = new_state(cfg, 8, torch.float32)
     dev = [mod.device_array(v.numpy()) for v in st.values()]
     rng = np.random.default_rng(0)

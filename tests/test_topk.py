@@ -208,7 +208,7 @@ def test_index_topk_512_compiled_equals_eager(k512):
     d, model = k512["dir"], k512["model"]
     cfg = json.loads((d / "config.json").read_text())
     assert model.cfg.index_topk == 512 and 4 in model.cfg.compress_ratios
-    m = IreeModule(d / cfg["targets"]["llvm-cpu"]["vmfb"], d / cfg["parameters"])
+    m = IreeModule(d / cfg["targets"]["llvm-cpu"]["vmfb"], [d / f for f in cfg["parameters"]])
     toks = torch.randint(0, model.cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(7))
     st = new_state(model.cfg, 1, torch.float32)
     dev = [m.device_array(v.numpy()) for v in st.values()]

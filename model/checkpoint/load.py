@@ -429,7 +429,7 @@ def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | No
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, quantized: bool | None = None,
                     mtp: bool | None = None, overrides: dict[str, Any] | None = None, check_values: bool = True,
-                    progress: bool | None = None) -> Transformer:
+                    progress: bool | None = None, weights: bool = True, layers: int | None = None) -> Transformer:
     """Build a Transformer from a checkpoint directory and load its weights.
 
     quantized: None keeps the stored formats (FP8 linears / MXFP4 or FP8 experts stay low-bit, float
@@ -438,6 +438,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     mtp: None keeps MTP blocks if the checkpoint has them and drops them (with a warning) if it has
     none, as a transformers save does; False drops them; True requires them.
     overrides: ModelConfig fields that are ours, not the checkpoint's (max_seq_len, quant_sim, ...).
+    weights=False: the model as it would be loaded, but with unwritten parameters (`empty_model`), for
+    an export that streams the tensors with `checkpoint_tensors`; layers=N keeps the first N layers
+    (ModelConfig.first_layers).
     """
     ckpt = open_checkpoint(path)
     try:
@@ -466,6 +469,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
                           "following the tensors", stacklevel=2)
         cfg = cfg.replace(quantization_config=qc, expert_dtype=exp)
         model_quantized = bool(lin or exp)
+    if layers is not None:
+        cfg = cfg.first_layers(layers)
+    if not weights:  # shapes and dtypes only: for an export that streams the weights (checkpoint_tensors)
+        from dsv4.model.model import empty_model
+
+        return empty_model(cfg, dtype, quantized=model_quantized).eval()
     with _no_param_init():
         model = Transformer(cfg, dtype=dtype, quantized=model_quantized)
     load_into(model, ckpt, check_values=check_values, progress=progress, skip_mtp=cfg.n_mtp == 0)
