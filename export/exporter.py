@@ -300,12 +300,13 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
     pass cannot handle safely is retraced the usual way."""
     from iree.turbine.aot.decompositions import extend_aot_decompositions
 
-    from .functionalize import functionalize_state_writes
+    from .functionalize import functionalize_state_writes, positive_unflatten_dims
 
     with extend_aot_decompositions(from_current=False):  # an empty table: turbine skips the retrace
         ep = fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)
     try:
         functionalize_state_writes(ep)
+        positive_unflatten_dims(ep)
     except NotImplementedError:  # the pass may have rewritten part of ep: trace again, the usual way
         del fxb.programs[name]
         fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)

@@ -23,7 +23,7 @@ from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, Tens
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-__all__ = ["functionalize_state_writes"]
+__all__ = ["functionalize_state_writes", "positive_unflatten_dims"]
 
 # aten ops whose result aliases their first argument
 _VIEW_OPS = frozenset({"alias", "as_strided", "chunk", "diagonal", "expand", "flatten", "movedim", "narrow",
@@ -74,5 +74,19 @@ def functionalize_state_writes(ep: ExportedProgram) -> ExportedProgram:
     sig.output_specs[:0] = [OutputSpec(kind=OutputKind.USER_INPUT_MUTATION, arg=TensorArgument(name=v.name),
                                        target=s.name) for s, v in latest.items()]
     g.lint()
+    ep.graph_module.recompile()
+    return ep
+
+
+def positive_unflatten_dims(ep: ExportedProgram) -> ExportedProgram:
+    """`aten.unflatten(x, -1, sizes)` -> `aten.unflatten(x, x.dim() - 1, sizes)`, in place.
+
+    The decomposition retrace used to turn unflatten into a view; without it, torch-mlir's lowering of
+    unflatten with a negative dim builds a wrong static cast (IREE 3.13: "tensor_static_info_cast ...
+    [1,1,128,1] and [1,1,1,128] are cast incompatible"). A positive dim lowers correctly."""
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.unflatten.int and n.args[1] < 0:
+            rank = n.args[0].meta["val"].dim()
+            n.args = (n.args[0], n.args[1] + rank, *n.args[2:])
     ep.graph_module.recompile()
     return ep
