@@ -132,15 +132,22 @@ class Engine:
     """
 
     def __init__(self, export_dir: str | Path, device: str = "local-task", device_index: int = 0,
-                 *, check_export_id: bool = True):
+                 *, check_export_id: bool = True, batch_invariant: bool = True):
         """Load ``export_dir`` (config.json, .irpa, the vmfb for ``device``) and allocate the state.
 
         ``device`` is an IREE driver: "local-task" / "local-sync" (the llvm-cpu vmfb), "cuda"
         (cuda), "hip" (gfx942); ``device_index`` picks the GPU. With ``check_export_id`` the vmfb's
-        baked-in export id must match config.json's. Raises ArtifactError for a missing, corrupt
-        or mismatched artifact and EngineError for an unknown or unavailable device.
+        baked-in export id must match config.json's. ``batch_invariant`` (default) prefills every
+        request through one function, the smallest exported prefill batch size (one request per
+        call when that is 1), so a request's logits are bitwise the same whatever else is running:
+        IREE compiles prefill_bs1 and prefill_bs4 into code that rounds differently
+        (docs/batch-invariance.md; the cost is measured there). False batches prefills across the
+        exported sizes (fewer calls, logits may differ in the last bits with the company).
+        Raises ArtifactError for a missing, corrupt or mismatched artifact and EngineError for an
+        unknown or unavailable device.
         """
         self.config = cfg = ExportConfig.load(export_dir)
+        self.batch_invariant = batch_invariant
         self.device_name = device
         self.target = target_for_device(device)
         self.vmfb_path = cfg.vmfb_path(self.target)
@@ -324,7 +331,9 @@ class Engine:
         cfg = self.config
         step = cfg.prefill_max_tokens
         out: list[tuple[np.ndarray | None, int]] = []
-        for group, bs, rows in self._groups(reqs, cfg.prefill_batch_sizes):
+        # batch-invariant: always the same function (decode functions already agree bit for bit)
+        sizes = cfg.prefill_batch_sizes[:1] if self.batch_invariant else cfg.prefill_batch_sizes
+        for group, bs, rows in self._groups(reqs, sizes):
             last: list[tuple[np.ndarray | None, int]] = [(None, -1)] * len(group)
             for s in range(0, max(len(r.prompt) for r in group), step):
                 pieces = [r.prompt[s:s + step] for r in group]
@@ -335,7 +344,8 @@ class Engine:
                 ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
                 if ending:
                     argmax = np.asarray(argmax_d.to_host()).reshape(-1)
-                    logits = (np.asarray(logits_d.to_host())
+                    # a copy: the host view's buffer is reused by the next call (the next group's)
+                    logits = (np.array(logits_d.to_host(), copy=True)
                               if any(group[k].params.needs_logits for k in ending) else None)
                     for k in ending:
                         last[k] = (None if logits is None else logits[k], int(argmax[k]))
