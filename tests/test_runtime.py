@@ -513,9 +513,11 @@ def toy_model():
 
 @pytest.fixture(scope="session")
 def toy_engine(toy_export: Path):
+    """batch_invariant=False: these tests check the batched-prefill bookkeeping (several requests per
+    prefill_bs{N} call); the default mode prefills each request alone (tests/test_batch_invariance.py)."""
     from dsv4.runtime.engine import Engine
 
-    return Engine(toy_export)
+    return Engine(toy_export, batch_invariant=False)
 
 
 def _toy_eager_score(model, ids: list[int]) -> np.ndarray:
