@@ -6,7 +6,7 @@
 Batch-invariant mode prefills every request alone through the smallest exported prefill batch size
 (prefill_bs1); the other mode prefills the requests admitted together in one padded prefill_bs{N}
 call. Decode is the same in both. Measured through the Engine's own step loop, greedy, fixed token
-ids (no tokenizer needed), each number the best of --repeats runs after one warm-up run:
+ids (no tokenizer needed), each number the best of --repeats runs after one warm-up run, the two modes interleaved:
 
 * prefill step: the first ``step()`` after submitting R requests (prefill of all R prompts, chunked
   by the export's max tokens, and their first tokens), ms;
@@ -57,20 +57,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests submitted together (default 4)")
     ap.add_argument("--prompt", type=int, default=60, help="tokens of the longest prompt (default 60)")
     ap.add_argument("--new", type=int, default=32, help="tokens generated per request (default 32)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
 
     from dsv4.runtime.engine import Engine
 
+    engines = {inv: Engine(args.export_dir, device=args.device, batch_invariant=inv) for inv in (False, True)}
+    eng = engines[True]
+    prompts = _prompts(args.requests, args.prompt, eng.config.vocab_size)
+    runs: dict[bool, list] = {False: [], True: []}
+    for e in engines.values():
+        _run(e, prompts, args.new)  # warm-up
+    for _ in range(args.repeats):  # the modes interleaved, so load changes hit both alike
+        for inv, e in engines.items():
+            runs[inv].append(_run(e, prompts, args.new))
     rows, tokens = [], {}
-    for invariant in (False, True):
-        eng = Engine(args.export_dir, device=args.device, batch_invariant=invariant)
-        prompts = _prompts(args.requests, args.prompt, eng.config.vocab_size)
-        _run(eng, prompts, args.new)  # warm-up
-        runs = [_run(eng, prompts, args.new) for _ in range(args.repeats)]
-        tokens[invariant] = runs[0][3]
-        rows.append((invariant, min(r[0] for r in runs), min(r[1] for r in runs), max(r[2] for r in runs),
-                     eng.stats["prefill_calls"] // (args.repeats + 1)))
+    for inv, rs in runs.items():
+        tokens[inv] = rs[0][3]
+        rows.append((inv, min(r[0] for r in rs), min(r[1] for r in rs), max(r[2] for r in rs),
+                     engines[inv].stats["prefill_calls"] // (args.repeats + 1)))
     cfg = eng.config
     print(f"export {args.export_dir}: prefill batch sizes {list(cfg.prefill_batch_sizes)}, decode "
           f"{list(cfg.decode_batch_sizes)}, max tokens {cfg.prefill_max_tokens}; device {args.device}")

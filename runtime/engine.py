@@ -16,10 +16,10 @@ How a request runs (iree-notes §3, anchors §5):
   not depend on what else is in the batch.
 
 Scheduling: ``submit()`` queues a request; each ``step()`` first admits queued requests while
-slots are free (requests admitted together are prefilled together, several per
-``prefill_bs{N}`` call, each prompt in chunks of at most ``prefill.max_tokens`` tokens, and
-each yields its first token), then runs one decode step for every request that was already
-running, several per ``decode_bs{N}`` call. Requests join and leave between steps (continuous
+slots are free and prefills them (each prompt in chunks of at most ``prefill.max_tokens``
+tokens; one request per call of the smallest ``prefill_bs{N}`` in the default batch-invariant
+mode, several per padded call otherwise; each yields its first token), then runs one decode step
+for every request that was already running, several per ``decode_bs{N}`` call. Requests join and leave between steps (continuous
 batching). ``generate``/``generate_batch``/``stream`` are loops over ``step()``.
 
 Not thread-safe: one thread drives an Engine.

@@ -549,24 +549,36 @@ def test_toy_greedy_matches_eager(toy_engine, toy_model) -> None:
     assert toy_engine.slots.n_free == TOY_SLOTS  # every slot handed back
 
 
-def test_toy_batched_equals_solo(toy_engine) -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_toy_batched_equals_solo(toy_engine, batch_invariant: bool) -> None:
     """Six requests on four slots: decode batches of 4/2/1 (padded), queued requests join as
-    slots free up, slots are reused; every request gets the tokens it gets alone."""
+    slots free up, slots are reused; every request gets the tokens it gets alone. Prefill: shared
+    padded calls (batch_invariant=False) or one request per prefill_bs1 call (the default)."""
     params = [SamplingParams(max_new_tokens=min(12 + 3 * i, TOY_S - len(p)), ignore_eos=True)
               for i, p in enumerate(TOY_PROMPTS)]
     solo = [toy_engine.generate(p, sp).tokens for p, sp in zip(TOY_PROMPTS, params)]
     before = dict(toy_engine.stats)
-    batched = toy_engine.generate_batch(TOY_PROMPTS, params)
+    saved, toy_engine.batch_invariant = toy_engine.batch_invariant, batch_invariant
+    try:
+        batched = toy_engine.generate_batch(TOY_PROMPTS, params)
+    finally:
+        toy_engine.batch_invariant = saved
     assert [r.tokens for r in batched] == solo
     calls = toy_engine.stats["decode_calls"] - before["decode_calls"]
     rows = toy_engine.stats["decode_rows"] - before["decode_rows"]
     assert rows > 2 * calls  # really batched
     assert toy_engine.stats["decode_padded_rows"] > before["decode_padded_rows"]  # and padded
     # the first four were admitted together: prefilled two per prefill_bs2 call, chunk by chunk
+    # (batch-invariant: one per call, every chunk of every prompt its own call)
     first = TOY_PROMPTS[:4]
     chunks = sum(max(-(-len(p) // TOY_TMAX) for p in first[k:k + 2]) for k in (0, 2))
-    assert toy_engine.stats["prefill_rows"] - before["prefill_rows"] >= sum(-(-len(p) // TOY_TMAX) for p in first)
-    assert toy_engine.stats["prefill_calls"] - before["prefill_calls"] <= chunks + len(TOY_PROMPTS) - 4
+    own = [-(-len(p) // TOY_TMAX) for p in TOY_PROMPTS]
+    assert toy_engine.stats["prefill_rows"] - before["prefill_rows"] >= sum(own[:4])
+    calls = toy_engine.stats["prefill_calls"] - before["prefill_calls"]
+    if batch_invariant:
+        assert calls == sum(own)
+    else:
+        assert calls <= chunks + len(TOY_PROMPTS) - 4
 
 
 def test_toy_continuous_join(toy_engine) -> None:
