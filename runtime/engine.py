@@ -19,8 +19,9 @@ Scheduling: ``submit()`` queues a request; each ``step()`` first admits queued r
 slots are free and prefills them (each prompt in chunks of at most ``prefill.max_tokens``
 tokens; one request per call of the smallest ``prefill_bs{N}`` in the default batch-invariant
 mode, several per padded call otherwise; each yields its first token), then runs one decode step
-for every request that was already running, several per ``decode_bs{N}`` call. Requests join and leave between steps (continuous
-batching). ``generate``/``generate_batch``/``stream`` are loops over ``step()``.
+for every request that was already running, several per ``decode_bs{N}`` call. Requests join
+and leave between steps (continuous batching). ``generate``/``generate_batch``/``stream`` are
+loops over ``step()``.
 
 Not thread-safe: one thread drives an Engine.
 """

@@ -7,7 +7,8 @@ Checked on llvm-cpu bf16 exports with prefill and decode batch sizes 1 and 4: th
 * Through the Engine (its default batch_invariant mode): each of four prompts (lengths 21, 30, 17
   and 40, so chunked prefill too) run alone, all four submitted together, and one joining three
   that are already decoding; every generated token and its logprobs (the token's and the top 20,
-  computed from all logits) must be bit-identical to the alone run, and the batched run must really have shared decode calls.
+  computed from all logits) must be bit-identical to the alone run, and the batched run must
+  really have shared decode calls.
 * The decode functions the Engine batches with: decode_bs1 and decode_bs4 give bit-identical logits
   for the same row from the same state, with padding rows or with other requests beside it.
 * The compiled bs1 prefill is held to the eager model (an independent reference), so "all equal"
