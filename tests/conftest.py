@@ -30,7 +30,8 @@ def graph_sources() -> list[Path]:
             rel = f.relative_to(REPO)
             if (f.suffix == ".py" or ".mlir" in f.name) and "assets" not in rel.parts and "__pycache__" not in rel.parts:
                 files.append(f)
-    return sorted([*files, REPO / "runtime" / "artifact.py"])  # artifact.py writes config.json
+    # artifact.py writes config.json, weights.py / random_weights.py the .irpa shards
+    return sorted([*files, *(REPO / "runtime" / f for f in ("artifact.py", "weights.py", "random_weights.py"))])
 
 
 def export_key(key_parts: Iterable[Any]) -> str:
