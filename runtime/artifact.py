@@ -308,21 +308,6 @@ def check_vmfb(path: str | Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class StateSpec:
-    """One state tensor: dim 0 is the slot."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # canonical name, a key of DTYPES
-
-    @property
-    def nbytes(self) -> int:
-        import numpy as np
-
-        return int(np.prod(self.shape)) * np.dtype(DTYPES[self.dtype][0]).itemsize
-
-
-@dataclass(frozen=True)
 class TensorSpec:
     """One parameter of the inventory (config.json ``weights.tensors``): its key in the vmfb."""
 
@@ -338,6 +323,11 @@ class TensorSpec:
 
     def to_json(self) -> list:
         return [self.name, list(self.shape), self.dtype]
+
+
+@dataclass(frozen=True)
+class StateSpec(TensorSpec):
+    """One state tensor (config.json ``state``): dim 0 is the slot."""
 
 
 def with_fp8(specs: Sequence[TensorSpec], fp8_dtype: str | None) -> tuple[TensorSpec, ...]:
