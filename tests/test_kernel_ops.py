@@ -23,6 +23,7 @@ from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear, mxfp4_linear_stacked
+from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention
@@ -128,6 +129,7 @@ def _cases() -> dict:
         "fp8_qdq": (lambda: Qdq(fp8_qdq, 64), (_r(2, T, 4, 128) * 10,), (1,)),
         "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
         "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),
+        "hc_sinkhorn": (lambda: Qdq(hc_sinkhorn, 20, 1e-6), ((_r(2, T, 4, 4) * 3).softmax(-1) + 1e-6,), (1,)),
         "topk": (TopK, (_r(2, T, 40).round(),), (1,)),  # rounded: many exact ties
         "moe_experts": (Moe, (_r(T, 16), torch.rand(T, 2, generator=G),
                               torch.stack([torch.randperm(4, generator=G)[:2] for _ in range(T)])), (0, 0, 0)),
