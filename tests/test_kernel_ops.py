@@ -27,7 +27,7 @@ from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.kernels.topk import topk
+from dsv4.model.kernels.topk import _order_key, radix_threshold, topk
 
 ensure_runtime_flags()
 G = torch.Generator().manual_seed(0)
@@ -130,6 +130,8 @@ def _cases() -> dict:
         "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
         "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),
         "hc_sinkhorn": (lambda: Qdq(hc_sinkhorn, 20, 1e-6), ((_r(2, T, 4, 4) * 3).softmax(-1) + 1e-6,), (1,)),
+        # order keys with many exact ties (rounded scores), rows dynamic
+        "radix_threshold": (lambda: Qdq(radix_threshold, 5), (_order_key(_r(T, 40).round()),), (0,)),
         "topk": (TopK, (_r(2, T, 40).round(),), (1,)),  # rounded: many exact ties
         "moe_experts": (Moe, (_r(T, 16), torch.rand(T, 2, generator=G),
                               torch.stack([torch.randperm(4, generator=G)[:2] for _ in range(T)])), (0, 0, 0)),

@@ -249,8 +249,8 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
 
 
 def test_quantized_decode_graph_holds_kernels_not_their_math():
-    """A quantized tiny model's traced decode step: every quantized linear, simulation, Hadamard and
-    Sinkhorn is one kernel op; none of the bit decoding or rounding math is left in the graph."""
+    """A quantized tiny model's traced decode step: every quantized linear, simulation, Hadamard,
+    Sinkhorn and top-k bisection is one kernel op; none of the bit decoding or rounding math is left."""
     from collections import Counter
 
     from iree.turbine import aot
@@ -279,7 +279,7 @@ def test_quantized_decode_graph_holds_kernels_not_their_math():
     assert kernels["dsv4k.fp8_block_linear.default"] == 7 * n_layers + csa
     assert kernels["dsv4k.mxfp4_linear_stacked.default"] == 3 * n_layers
     assert kernels["dsv4k.hc_sinkhorn.default"] == 2 * n_layers
-    for op in ("fp8_qdq", "fp4_qdq", "hadamard"):
+    for op in ("fp8_qdq", "fp4_qdq", "hadamard", "radix_threshold"):
         assert kernels[f"dsv4k.{op}.default"] >= 1, op
     math = [k for k in ops if re.search(r"\.(log2|exp2|round|__rshift__|__lshift__|__and__|__or__)\b", k)]
     assert not math, math

@@ -95,17 +95,23 @@ class _TopK(torch.nn.Module):
 
 def test_radix_compiled_alone(tmp_path):
     """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
-    against the tie rule; the same module compiles for gfx942 and cuda."""
+    against the tie rule, with the bisection traced and as its kernel; the module compiles for gfx942
+    and cuda."""
     from iree.turbine import aot
 
     class M(torch.nn.Module):
         def forward(self, x, y):
             return topk_radix(x, 512), topk_radix(y, 6)
 
+    from dsv4.export.model_kernels import use_kernels
+
     R, N = torch.export.Dim("R", min=1, max=256), torch.export.Dim("N", min=512, max=65536)
     fxb = aot.FxProgramsBuilder(M())
-    fxb.export_program(lambda m, x, y: m(x, y), name="f", args=(torch.randn(3, 1024), torch.randn(3, 256)),
-                       dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
+    # "f": all traced torch; "fk": the bisection as the radix_threshold MLIR kernel (the export default)
+    for name, impl in (("f", "reference"), ("fk", "kernel")):
+        with use_kernels({"radix_threshold": impl}):
+            fxb.export_program(lambda m, x, y: m(x, y), name=name, args=(torch.randn(3, 1024), torch.randn(3, 256)),
+                               dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
     mlir = tmp_path / "topk.mlir"
     aot.export(fxb, import_symbolic_shape_expressions=True).save_mlir(str(mlir))
     for target in ("llvm-cpu", "gfx942", "cuda"):
@@ -114,9 +120,10 @@ def test_radix_compiled_alone(tmp_path):
     for rows, n in ((1, 600), (5, 4096)):
         x, y = tied((rows, n), n), tied((rows, 256), rows)
         x[0, n // 3:] = float("-inf")  # fewer than 512 finite entries in row 0
-        a, b = m("f", x.numpy(), y.numpy())
-        assert np.array_equal(a, brute_topk(x, 512).numpy()), (rows, n)
-        assert np.array_equal(b, brute_topk(y, 6).numpy()), (rows, n)
+        for fn in ("f", "fk"):
+            a, b = m(fn, x.numpy(), y.numpy())
+            assert np.array_equal(a, brute_topk(x, 512).numpy()), (fn, rows, n)
+            assert np.array_equal(b, brute_topk(y, 6).numpy()), (fn, rows, n)
 
 
 # ---------------------------------------------------------------------------------------------
