@@ -283,3 +283,24 @@ def test_quantized_decode_graph_holds_kernels_not_their_math():
         assert kernels[f"dsv4k.{op}.default"] >= 1, op
     math = [k for k in ops if re.search(r"\.(log2|exp2|round|__rshift__|__lshift__|__and__|__or__)\b", k)]
     assert not math, math
+
+
+def test_dispatch_validates_before_the_kernel():
+    """With the kernels routed (what export traces), a bad scale or K still fails with a message
+    naming the problem: the dispatchers check before the hook, the kernel checks nothing."""
+    from dsv4.model.kernels.linear import linear, stacked_linear
+
+    x = torch.zeros(1, 3, 256)
+    w = torch.zeros(128, 256).to(torch.float8_e4m3fn)
+    packed = torch.zeros(2, 64, 128, dtype=torch.uint8)
+    with use_kernels({}):
+        with pytest.raises(ValueError, match=r"scale shape \(1, 1\) != \(1, 2\)"):
+            linear(x, w, torch.zeros(1, 1, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="x has K=128"):
+            linear(x[..., :128], w, torch.zeros(1, 2, dtype=torch.uint8))
+        with pytest.raises(ValueError, match=r"scale shape \(2, 64, 4\) != \(2, 64, 8\)"):
+            stacked_linear(torch.zeros(2, 3, 256), packed, torch.zeros(2, 64, 4, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="differ in E"):
+            stacked_linear(torch.zeros(3, 3, 256), packed, torch.zeros(2, 64, 8, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="not a multiple of the block 64"):
+            quant_sim.fp8_qdq(torch.zeros(2, 96), 64)

@@ -14,7 +14,9 @@ partial sum (the reference's "2x accumulation") is the same math; only fp32 summ
 Export-friendly by construction: weight bytes are decoded with integer ops and a float32 bitcast
 (formats.fp8_decode / e2m1_decode), never a float8 -> float cast (which gfx942 cannot compile without
 the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values; shape checks use
-static shapes only.
+static shapes only. Export does not trace these references by default: each quantized linear is
+one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
+and shapes before calling the hook (the kernel itself checks nothing).
 """
 
 from __future__ import annotations
@@ -63,6 +65,36 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return block_qdq(xf.unflatten(-1, (nblk, block)), fp4=False).flatten(-2)[..., :k]
 
 
+def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """FP8 weight [..., N, K] with block scale [..., ceil(N/128), ceil(K/128)] for x [..., K]; raises."""
+    if weight.dtype not in FP8_FORMATS:
+        raise FormatError(f"{what}: weight must be float8_e4m3fn/fnuz, got {weight.dtype}")
+    if scale.dtype not in _SCALES:
+        raise FormatError(f"{what}: scale must be E8M0 (uint8 / float8_e8m0fnu) or float32, got {scale.dtype}")
+    *lead, n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has K={x.shape[-1]}, weight is {tuple(weight.shape)}")
+    want = (*lead, math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for weight {tuple(weight.shape)}")
+
+
+def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """Packed MXFP4 [..., N, K/2] with E8M0 scale [..., N, K/32] for x [..., K]; raises."""
+    if packed.dtype not in _BYTES:
+        raise FormatError(f"{what}: packed weight must be uint8/int8, got {packed.dtype}")
+    if scale.dtype not in _SCALES[:2]:
+        raise FormatError(f"{what}: MXFP4 scales must be E8M0 (uint8 / float8_e8m0fnu), got {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has K={x.shape[-1]}, packed weight {tuple(packed.shape)} holds K={k}")
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"{what}: K={k} is not a multiple of {MXFP4_BLOCK}")
+    want = (*packed.shape[:-1], k // MXFP4_BLOCK)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for packed weight {tuple(packed.shape)}")
+
+
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
         export="kernel")
@@ -72,10 +104,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
     x [..., K] bf16/fp32; weight [N, K] float8_e4m3fn or float8_e4m3fnuz (decoded per its dtype);
     scale [ceil(N/128), ceil(K/128)] E8M0 uint8 (or float8_e8m0fnu) or float32. fp32 GEMM, x.dtype out.
     """
-    if weight.dtype not in FP8_FORMATS:
-        raise FormatError(f"fp8_block_linear: weight must be float8_e4m3fn/fnuz, got {weight.dtype}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp8_block_linear: x has K={x.shape[-1]}, weight is {tuple(weight.shape)}")
+    _check_fp8(x, weight, scale, "fp8_block_linear")
     w = dequant_fp8_block(weight, scale, FP8_BLOCK)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
@@ -90,13 +119,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     The activation is FP8-quantized per 128-K block; the FP4 weight is decoded in-kernel with bit ops
     and scaled per 32 (exact in fp32); fp32 accumulate; x.dtype out.
     """
-    if packed.dtype not in (torch.uint8, torch.int8):
-        raise FormatError(f"mxfp4_linear: packed weight must be uint8/int8, got {packed.dtype}")
-    k = packed.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"mxfp4_linear: x has K={x.shape[-1]}, packed weight {tuple(packed.shape)} holds K={k}")
-    if k % MXFP4_BLOCK:
-        raise ValueError(f"mxfp4_linear: K={k} is not a multiple of {MXFP4_BLOCK}")
+    _check_mxfp4(x, packed, scale, "mxfp4_linear")
     w = dequant_mxfp4(packed, scale)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
@@ -106,10 +129,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     if weight.dtype in FP8_FORMATS:
         if scale is None:
             raise TypeError(f"linear: {weight.dtype} weight needs its block scale")
+        _check_fp8(x, weight, scale, "linear")
         return fp8_block_linear(x, weight, scale)
     if weight.dtype in (torch.uint8, torch.int8):
         if scale is None:
             raise TypeError("linear: packed MXFP4 (uint8/int8) weight needs its E8M0 scale")
+        _check_mxfp4(x, weight, scale, "linear")
         return mxfp4_linear(x, weight, scale)
     if weight.dtype in _PLAIN_DTYPES:
         if scale is not None:
@@ -124,6 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
+    _check_fp8(x, weight, scale, "fp8_block_linear_stacked")
     w = dequant_fp8_block(weight, scale, FP8_BLOCK)
     return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
 
@@ -133,6 +159,7 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
         mlir=_MLIR, export="kernel")
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
+    _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
     w = dequant_mxfp4(packed, scale)
     return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
 
@@ -150,10 +177,10 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if scale is None:
             raise TypeError(f"stacked_linear: {weight.dtype} weight needs its scale")
         fp8 = weight.dtype in FP8_FORMATS
-        k = weight.shape[2] * (1 if fp8 else 2)
-        if x.shape[-1] != k:
-            raise ValueError(f"stacked_linear: x has K={x.shape[-1]}, weight {tuple(weight.shape)} holds K={k}")
+        (_check_fp8 if fp8 else _check_mxfp4)(x, weight, scale, "stacked_linear")
         if x.dim() == 3:
+            if x.shape[0] != weight.shape[0]:
+                raise ValueError(f"stacked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in E")
             return (fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked)(x, weight, scale)
         w = dequant_fp8_block(weight, scale, FP8_BLOCK) if fp8 else dequant_mxfp4(weight, scale)
         return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
