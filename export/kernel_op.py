@@ -27,8 +27,8 @@ llvm-cpu and gfx942 compiles ~1 s, every program within 2e-6 x max|ref| of a flo
 (An opaque ``torch.library`` op lowered by decomposition was measured too and dropped: it can only
 substitute torch code, which calling an alternative already does; docs/export-notes.md.)
 
-Defining an op (the template is Jinja2 over MLIR; ``{{kernel_name}}``, ``{{<arg>_type}}``,
-``{{<arg>_dtype}}``, static dim sizes and scalar attributes by name)::
+Defining an op (the template is Jinja2 over MLIR; ``{{kernel_name}}``, ``{{op}}`` (the op's name),
+``{{<arg>_type}}``, ``{{<arg>_dtype}}``, static dim sizes and scalar attributes by name)::
 
     @kernel_op(args={"table": "N, D", "idx": "K"}, results={"out": "K, D"}, static=("D",),
                dtypes={"idx": (torch.int64,)}, mlir=GATHER_ROWS_MLIR)
@@ -526,6 +526,7 @@ def _register_turbine_op(kop: KernelOp) -> Any:
             env[f"{r.name}_dtype"] = TORCH_DTYPE_TO_IREE_TYPE_ASM[d.t.dtype]
         fn_name = _mangle(parts)
         env["kernel_name"] = fn_name
+        env["op"] = kop.name  # one template may serve several ops (model/kernels/quant.mlir.jinja)
         # Render only when this specialization is not in the module yet.
         try:
             func = kb.symbol_table[fn_name]

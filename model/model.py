@@ -26,6 +26,7 @@ from . import quant_sim
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
 from .kernels.linear import linear
+from .kernels.mhc import hc_sinkhorn
 from .kernels.moe import moe_experts, swiglu
 from .kernels.sparse_attention import sparse_attention
 from .kernels.topk import topk_indices
@@ -472,11 +473,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = comb.softmax(-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):  # Sinkhorn: rows then columns
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    comb = hc_sinkhorn(comb.softmax(-1) + eps, iters, eps)
     y = (pre[..., None] * h.float()).sum(2)
     return y.to(h.dtype), post, comb
 

@@ -4,10 +4,10 @@ DeepSeek-V4 was trained with these in the loop (QAT), so the released model runs
 FP8 e4m3 on the nope dims of window/compressed KV (block 64) and Hadamard + FP4 e2m1 on the
 indexer's queries and keys (block 32), both with power-of-two (E8M0) block scales (spec §6).
 
-Rounding is written with arithmetic (floor/log2/round) instead of dtype casts: it is bit-identical
-to torch's round-to-nearest-even casts (tests/test_quant_sim.py sweeps every code), and unlike
-an f32->f8 cast it lowers the same way on every IREE target (llvm-cpu flushes part of the e4m3
-subnormal band to zero and gfx942 has no native OCP e4m3; see iree-notes §5).
+The simulations themselves (rounding, block scales, the Walsh-Hadamard transform) are kernel hooks
+declared in model/kernels/qdq.py (`fp8_qdq`, `fp4_qdq`, `hadamard`: eager runs their torch
+references, export inlines one MLIR kernel each); this module is what the model calls, plus the
+straight-through estimator for training. The rounding helpers are re-exported from there.
 """
 
 from __future__ import annotations
@@ -18,61 +18,44 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
+from .kernels import qdq
+from .kernels.qdq import E2M1_MAX, E4M3_MAX, pow2_block_scale, round_to_e2m1, round_to_e4m3  # noqa: F401
 
 
-def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to the nearest OCP e4m3fn value (ties to even), saturating at +-448."""
-    x = x.clamp(-E4M3_MAX, E4M3_MAX)
-    a = x.abs()
-    # exponent of the binade (e4m3: 3 mantissa bits, min normal 2^-6, subnormal step 2^-9)
-    e = torch.floor(torch.log2(a.clamp_min(2.0**-6)))
-    step = torch.exp2(e - 3)
-    return torch.round(x / step) * step
+def _on_rank4(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: int) -> torch.Tensor:
+    """fn (a last-dim op whose kernel takes [B, S, H, D]) on x of any rank >= 1, by unsqueezing
+    leading dims (or flattening the first ones above rank 4); views only, no data movement."""
+    if x.dim() > 4:
+        return fn(x.flatten(0, -4), *args).unflatten(0, x.shape[:-3])
+    pad = 4 - x.dim()
+    y = fn(x[(None,) * pad], *args)
+    return y[(0,) * pad] if pad else y
 
 
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to the nearest e2m1 value {0,.5,1,1.5,2,3,4,6} (ties to even), saturating at +-6."""
-    x = x.clamp(-E2M1_MAX, E2M1_MAX)
-    a = x.abs()
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    return torch.round(x / step) * step
-
-
-def pow2_block_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """The reference's E8M0 activation scale: 2^ceil(log2(amax / fmt_max))."""
-    return torch.exp2(torch.ceil(torch.log2(amax / fmt_max)))
+def _check_block(x: torch.Tensor, block: int, what: str) -> None:
+    if block < 1 or x.shape[-1] % block:
+        raise ValueError(f"{what}: last dim {x.shape[-1]} is not a multiple of the block {block}")
 
 
 def fp8_qdq(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """Per-`block` FP8 e4m3 quantize->dequantize of the last dim with pow2 scales (amax floor 1e-4)."""
+    _check_block(x, block, "fp8_qdq")
     if _STE and x.requires_grad:
-        return _StraightThrough.apply(x, functools.partial(_fp8_qdq, block=block))
-    return _fp8_qdq(x, block)
-
-
-def _fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
-    shape, dtype = x.shape, x.dtype
-    xb = x.float().unflatten(-1, (-1, block))
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    s = pow2_block_scale(amax, E4M3_MAX)
-    return (round_to_e4m3(xb / s) * s).reshape(shape).to(dtype)
+        return _StraightThrough.apply(x, lambda t: qdq.fp8_qdq(t, block))
+    return _on_rank4(qdq.fp8_qdq, x, block)
 
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Per-`block` FP4 e2m1 quantize->dequantize of the last dim with pow2 scales (amax floor 6*2^-126)."""
+    _check_block(x, block, "fp4_qdq")
     if _STE and x.requires_grad:
-        return _StraightThrough.apply(x, functools.partial(_fp4_qdq, block=block))
-    return _fp4_qdq(x, block)
+        return _StraightThrough.apply(x, lambda t: qdq.fp4_qdq(t, block))
+    return _on_rank4(qdq.fp4_qdq, x, block)
 
 
-def _fp4_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
-    shape, dtype = x.shape, x.dtype
-    xb = x.float().unflatten(-1, (-1, block))
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126)
-    s = pow2_block_scale(amax, E2M1_MAX)
-    return (round_to_e2m1(xb / s) * s).reshape(shape).to(dtype)
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform of the last dim (scale n^-0.5), fp32 math, input dtype out."""
+    return _on_rank4(qdq.hadamard, x)
 
 
 # ---- straight-through estimator (training only) -------------------------------------------------
@@ -99,8 +82,8 @@ class _StraightThrough(torch.autograd.Function):
     """Forward: qdq(x) exactly (bit-identical to the plain call). Backward: identity."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, qdq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return qdq(x)
+    def forward(ctx, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return fn(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -116,19 +99,3 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Normalized Walsh-Hadamard transform of the last dim (scale n^-0.5), fp32 math, input dtype out."""
-    n = x.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    # log2(n) butterflies (fast Walsh-Hadamard, Sylvester order): only the static last dim is
-    # reshaped, which keeps torch.export free of guards on the symbolic leading dims
-    y, h = x.float(), 1
-    while h < n:
-        y = y.unflatten(-1, (n // (2 * h), 2, h))
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack([a + b, a - b], -2).flatten(-3)
-        h *= 2
-    return (y * n**-0.5).to(x.dtype)

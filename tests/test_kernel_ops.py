@@ -22,10 +22,12 @@ from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import fp8_block_linear, mxfp4_linear
+from dsv4.model.kernels.linear import fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear, mxfp4_linear_stacked
+from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
+from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.kernels.topk import topk
+from dsv4.model.kernels.topk import _order_key, radix_threshold, topk
 
 ensure_runtime_flags()
 G = torch.Generator().manual_seed(0)
@@ -73,6 +75,32 @@ class Mxfp4Linear(nn.Module):
         return mxfp4_linear(x, self.packed, self.scale)
 
 
+class StackedLinear(nn.Module):
+    def __init__(self, fp8: bool):
+        super().__init__()
+        if fp8:
+            w = (_r(3, 256, 128) * 0.05).to(torch.float8_e4m3fn)
+            s = torch.randint(118, 124, (3, 2, 1), generator=G, dtype=torch.uint8)
+        else:
+            w = torch.randint(0, 256, (3, 64, 64), generator=G, dtype=torch.uint8)
+            s = torch.randint(120, 130, (3, 64, 4), generator=G, dtype=torch.uint8)
+        self.fn = fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.scale = nn.Parameter(s, requires_grad=False)
+
+    def forward(self, x):
+        return self.fn(x, self.weight, self.scale)
+
+
+class Qdq(nn.Module):
+    def __init__(self, fn, *extra):
+        super().__init__()
+        self.fn, self.extra = fn, extra
+
+    def forward(self, x):
+        return self.fn(x, *self.extra)
+
+
 class TopK(nn.Module):
     def forward(self, x):
         return topk(x, 5)
@@ -96,6 +124,14 @@ def _cases() -> dict:
         "indexer_scores": (IndexerScores, (_r(2, T, 4, 32), _r(2, T, 4), _r(2, 11, 32)), (1, 1, None)),
         "fp8_block_linear": (lambda: Fp8Linear(False), (_r(2, T, 128),), (1,)),
         "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),
+        "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
+        "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
+        "fp8_qdq": (lambda: Qdq(fp8_qdq, 64), (_r(2, T, 4, 128) * 10,), (1,)),
+        "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
+        "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),
+        "hc_sinkhorn": (lambda: Qdq(hc_sinkhorn, 20, 1e-6), ((_r(2, T, 4, 4) * 3).softmax(-1) + 1e-6,), (1,)),
+        # order keys with many exact ties (rounded scores), rows dynamic
+        "radix_threshold": (lambda: Qdq(radix_threshold, 5), (_order_key(_r(T, 40).round()),), (0,)),
         "topk": (TopK, (_r(2, T, 40).round(),), (1,)),  # rounded: many exact ties
         "moe_experts": (Moe, (_r(T, 16), torch.rand(T, 2, generator=G),
                               torch.stack([torch.randperm(4, generator=G)[:2] for _ in range(T)])), (0, 0, 0)),
@@ -185,7 +221,7 @@ def test_op_compiled_vs_reference(name, tmp_path):
     for impl in impls:
         got = m(f"run_{impl}", *[a.numpy() for a in args])
         np.testing.assert_allclose(got, want.numpy(), atol=2e-5, rtol=2e-5, err_msg=f"{name}/{impl}")
-    if name != "fp8_block_linear":  # gfx942 takes fnuz weights: its own module below
+    if not name.startswith("fp8_block_linear"):  # gfx942 takes fnuz weights: test_quant_kernels.py
         gpu = compile_mlir(mlir, "gfx942", tmp_path / "op.gfx942.vmfb")
         assert {e.gpu_arch for e in vmfb_executables(gpu.path)} == {"gfx942"}
 

@@ -129,18 +129,24 @@ def test_shared_memory_screen_flags_a_race():
 
 def test_radix_compiled_alone(tmp_path):
     """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
-    against the tie rule (with ties, -inf tails and ulp-spaced negatives); the same module compiles
-    for gfx942 and cuda, and no cuda kernel of it uses shared memory without a barrier."""
+    against the tie rule (with ties, -inf tails and ulp-spaced negatives), with the bisection traced and
+    as its kernel; the same module compiles for gfx942 and cuda, and no cuda kernel of it uses shared
+    memory without a barrier."""
     from iree.turbine import aot
 
     class M(torch.nn.Module):
         def forward(self, x, y):
             return topk_radix(x, 512), topk_radix(y, 6)
 
+    from dsv4.export.model_kernels import use_kernels
+
     R, N = torch.export.Dim("R", min=1, max=256), torch.export.Dim("N", min=512, max=65536)
     fxb = aot.FxProgramsBuilder(M())
-    fxb.export_program(lambda m, x, y: m(x, y), name="f", args=(torch.randn(3, 1024), torch.randn(3, 256)),
-                       dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
+    # "f": all traced torch; "fk": the bisection as the radix_threshold MLIR kernel (the export default)
+    for name, impl in (("f", "reference"), ("fk", "kernel")):
+        with use_kernels({"radix_threshold": impl}):
+            fxb.export_program(lambda m, x, y: m(x, y), name=name, args=(torch.randn(3, 1024), torch.randn(3, 256)),
+                               dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
     mlir = tmp_path / "topk.mlir"
     aot.export(fxb, import_symbolic_shape_expressions=True).save_mlir(str(mlir))
     for target in ("llvm-cpu", "gfx942"):
@@ -155,9 +161,10 @@ def test_radix_compiled_alone(tmp_path):
         x[0, n // 3:] = float("-inf")  # fewer than 512 finite entries in row 0
         x[-1] = ulp_negatives(1, n, n)[0]  # the 512th largest lies among near-equal negatives
         y[-1] = ulp_negatives(1, 256, rows)[0]
-        a, b = m("f", x.numpy(), y.numpy())
-        assert np.array_equal(a, brute_topk(x, 512).numpy()), (rows, n)
-        assert np.array_equal(b, brute_topk(y, 6).numpy()), (rows, n)
+        for fn in ("f", "fk"):
+            a, b = m(fn, x.numpy(), y.numpy())
+            assert np.array_equal(a, brute_topk(x, 512).numpy()), (fn, rows, n)
+            assert np.array_equal(b, brute_topk(y, 6).numpy()), (fn, rows, n)
 
 
 # ---------------------------------------------------------------------------------------------

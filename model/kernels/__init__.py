@@ -135,4 +135,4 @@ def overrides(impls: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
 
 # Every kernel module registers its declarations on import (eagerly, so the registry is complete
 # whichever part of the model is imported first).
-from . import indexer, linear, moe, sparse_attention, topk  # noqa: E402,F401
+from . import indexer, linear, mhc, moe, qdq, sparse_attention, topk  # noqa: E402,F401

@@ -14,7 +14,9 @@ partial sum (the reference's "2x accumulation") is the same math; only fp32 summ
 Export-friendly by construction: weight bytes are decoded with integer ops and a float32 bitcast
 (formats.fp8_decode / e2m1_decode), never a float8 -> float cast (which gfx942 cannot compile without
 the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values; shape checks use
-static shapes only.
+static shapes only. Export does not trace these references by default: each quantized linear is
+one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
+and shapes before calling the hook (the kernel itself checks nothing).
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ from ..formats import (
     dequant_fp8_block,
     dequant_mxfp4,
 )
-from ..quant_sim import E4M3_MAX, pow2_block_scale, round_to_e4m3
 from . import kernel
+from .qdq import FP8_AMAX_FLOOR, block_qdq
 
-__all__ = ["linear", "stacked_linear", "fp8_block_linear", "mxfp4_linear", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
+__all__ = ["linear", "stacked_linear", "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked",
+           "mxfp4_linear_stacked", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
 
-ACT_AMAX_FLOOR = 1e-4  # the reference act_quant's amax floor
+ACT_AMAX_FLOOR = FP8_AMAX_FLOOR  # the reference act_quant's amax floor
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_F = (torch.float32, torch.bfloat16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+_BYTES = (torch.uint8, torch.int8)
+_SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
+_MLIR = "quant.mlir.jinja"  # one template for the four quantized linears (and the qdq kernels)
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -54,32 +62,56 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     xf = x.float()
     if nblk * block != k:
         xf = F.pad(xf, (0, nblk * block - k))
-    xb = xf.unflatten(-1, (nblk, block))
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR)
-    s = pow2_block_scale(amax, E4M3_MAX)
-    q = round_to_e4m3(xb / s) * s
-    return q.flatten(-2)[..., :k]
+    return block_qdq(xf.unflatten(-1, (nblk, block)), fp4=False).flatten(-2)[..., :k]
+
+
+def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """FP8 weight [..., N, K] with block scale [..., ceil(N/128), ceil(K/128)] for x [..., K]; raises."""
+    if weight.dtype not in FP8_FORMATS:
+        raise FormatError(f"{what}: weight must be float8_e4m3fn/fnuz, got {weight.dtype}")
+    if scale.dtype not in _SCALES:
+        raise FormatError(f"{what}: scale must be E8M0 (uint8 / float8_e8m0fnu) or float32, got {scale.dtype}")
+    *lead, n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has K={x.shape[-1]}, weight is {tuple(weight.shape)}")
+    want = (*lead, math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for weight {tuple(weight.shape)}")
+
+
+def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """Packed MXFP4 [..., N, K/2] with E8M0 scale [..., N, K/32] for x [..., K]; raises."""
+    if packed.dtype not in _BYTES:
+        raise FormatError(f"{what}: packed weight must be uint8/int8, got {packed.dtype}")
+    if scale.dtype not in _SCALES[:2]:
+        raise FormatError(f"{what}: MXFP4 scales must be E8M0 (uint8 / float8_e8m0fnu), got {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has K={x.shape[-1]}, packed weight {tuple(packed.shape)} holds K={k}")
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"{what}: K={k} is not a multiple of {MXFP4_BLOCK}")
+    want = (*packed.shape[:-1], k // MXFP4_BLOCK)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: scale shape {tuple(scale.shape)} != {want} for packed weight {tuple(packed.shape)}")
 
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
-        static=("N", "K", "NB", "KB"),
-        dtypes={"x": (torch.float32, torch.bfloat16), "weight": (torch.float8_e4m3fn, torch.float8_e4m3fnuz)})
+        static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
+        export="kernel")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
     x [..., K] bf16/fp32; weight [N, K] float8_e4m3fn or float8_e4m3fnuz (decoded per its dtype);
     scale [ceil(N/128), ceil(K/128)] E8M0 uint8 (or float8_e8m0fnu) or float32. fp32 GEMM, x.dtype out.
     """
-    if weight.dtype not in FP8_FORMATS:
-        raise FormatError(f"fp8_block_linear: weight must be float8_e4m3fn/fnuz, got {weight.dtype}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp8_block_linear: x has K={x.shape[-1]}, weight is {tuple(weight.shape)}")
+    _check_fp8(x, weight, scale, "fp8_block_linear")
     w = dequant_fp8_block(weight, scale, FP8_BLOCK)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
 
 @kernel("mxfp4_linear", args={"x": "..., K", "packed": "N, KP", "scale": "N, KS"}, results={"y": "..., N"},
-        static=("N", "KP", "KS"), dtypes={"x": (torch.float32, torch.bfloat16), "packed": (torch.uint8, torch.int8)})
+        static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]}, mlir=_MLIR,
+        export="kernel")
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 
@@ -87,13 +119,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     The activation is FP8-quantized per 128-K block; the FP4 weight is decoded in-kernel with bit ops
     and scaled per 32 (exact in fp32); fp32 accumulate; x.dtype out.
     """
-    if packed.dtype not in (torch.uint8, torch.int8):
-        raise FormatError(f"mxfp4_linear: packed weight must be uint8/int8, got {packed.dtype}")
-    k = packed.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"mxfp4_linear: x has K={x.shape[-1]}, packed weight {tuple(packed.shape)} holds K={k}")
-    if k % MXFP4_BLOCK:
-        raise ValueError(f"mxfp4_linear: K={k} is not a multiple of {MXFP4_BLOCK}")
+    _check_mxfp4(x, packed, scale, "mxfp4_linear")
     w = dequant_mxfp4(packed, scale)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
 
@@ -103,10 +129,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     if weight.dtype in FP8_FORMATS:
         if scale is None:
             raise TypeError(f"linear: {weight.dtype} weight needs its block scale")
+        _check_fp8(x, weight, scale, "linear")
         return fp8_block_linear(x, weight, scale)
     if weight.dtype in (torch.uint8, torch.int8):
         if scale is None:
             raise TypeError("linear: packed MXFP4 (uint8/int8) weight needs its E8M0 scale")
+        _check_mxfp4(x, weight, scale, "linear")
         return mxfp4_linear(x, weight, scale)
     if weight.dtype in _PLAIN_DTYPES:
         if scale is not None:
@@ -115,20 +143,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     raise TypeError(f"linear: unsupported weight dtype {weight.dtype} (scale {None if scale is None else scale.dtype})")
 
 
+@kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
+        results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
+        mlir=_MLIR, export="kernel")
+def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
+    -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
+    _check_fp8(x, weight, scale, "fp8_block_linear_stacked")
+    w = dequant_fp8_block(weight, scale, FP8_BLOCK)
+    return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
+
+
+@kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
+        results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
+        mlir=_MLIR, export="kernel")
+def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
+    _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
+    w = dequant_mxfp4(packed, scale)
+    return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
+
+
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a stack of weights at once: x [N, K] or [E, N, K], weight [E, O, K(/2)] in any format
     `linear` takes (scales stacked [E, ...]) -> [E, N, O] in x.dtype; out[e] == linear(x or x[e], weight[e],
     scale[e]) up to fp32 summation order. One dequantize and one activation quantize for all E (the
-    MoE reference: a per-expert loop traces E times as many graph nodes)."""
+    MoE reference: a per-expert loop traces E times as many graph nodes). A 3-D x goes through the
+    stacked kernel hooks (one graph node each in export); a shared 2-D x (the eager all-experts
+    reference) is quantized once and broadcast."""
     if weight.dim() != 3:
         raise ValueError(f"stacked_linear: weight must be [E, O, K], got {tuple(weight.shape)}")
     if weight.dtype in FP8_FORMATS or weight.dtype in (torch.uint8, torch.int8):
         if scale is None:
             raise TypeError(f"stacked_linear: {weight.dtype} weight needs its scale")
         fp8 = weight.dtype in FP8_FORMATS
-        k = weight.shape[2] * (1 if fp8 else 2)
-        if x.shape[-1] != k:
-            raise ValueError(f"stacked_linear: x has K={x.shape[-1]}, weight {tuple(weight.shape)} holds K={k}")
+        (_check_fp8 if fp8 else _check_mxfp4)(x, weight, scale, "stacked_linear")
+        if x.dim() == 3:
+            if x.shape[0] != weight.shape[0]:
+                raise ValueError(f"stacked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in E")
+            return (fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked)(x, weight, scale)
         w = dequant_fp8_block(weight, scale, FP8_BLOCK) if fp8 else dequant_mxfp4(weight, scale)
         return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
     if weight.dtype in _PLAIN_DTYPES:

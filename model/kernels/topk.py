@@ -24,7 +24,7 @@ import torch
 
 from . import kernel
 
-__all__ = ["topk_indices", "topk", "topk_radix", "first_argmax", "record_topk"]
+__all__ = ["topk_indices", "topk", "topk_radix", "radix_threshold", "first_argmax", "record_topk"]
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,19 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, torch.bitwise_not(bits), bits + 2**31)
 
 
+@kernel("radix_threshold", args={"key": "R, N", "k": int}, results={"t": "R, 1"}, dtypes={"key": (torch.int64,)},
+        result_dtypes={"t": torch.int64}, mlir="topk.mlir.jinja", export="kernel")
+def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Step 1 of topk_radix: per row of order keys [R, N] (int64 in [0, 2^32)), the largest t with
+    count(key >= t) >= k, bisected bit by bit (32 rounds of one compare + one float32 count). A hot
+    spot of its own: traced, the 32 rounds are ~220 graph nodes per top-k (topk.mlir.jinja: one)."""
+    t = torch.zeros_like(key[:, :1])
+    for b in range(31, -1, -1):
+        c = t + (1 << b)
+        t = torch.where((key >= c).float().sum(-1, keepdim=True) >= k, c, t)
+    return t
+
+
 def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     """Exact top-k by radix select (the contract above), as export traces it.
 
@@ -71,10 +84,7 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"top-k: k={k} is larger than the {n} entries")
     key = _order_key(x.float().reshape(-1, n))
     rows = key.shape[0]
-    t = torch.zeros_like(key[:, :1])
-    for b in range(31, -1, -1):
-        c = t + (1 << b)
-        t = torch.where((key >= c).float().sum(-1, keepdim=True) >= k, c, t)
+    t = radix_threshold(key, k)
     gt = key > t
     need = k - gt.float().sum(-1, keepdim=True)
     eq = key == t
