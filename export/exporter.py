@@ -192,7 +192,8 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
 
 
 def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
-              max_chunk: int | None, n_slots: int | None) -> tuple[list[Target], list[int], int, int, int]:
+              decode_batch_sizes: Sequence[int] | None, max_chunk: int | None,
+              n_slots: int | None) -> tuple[list[Target], list[int], list[int], int, int, int]:
     from dsv4.model.model import Transformer
 
     if not isinstance(model, Transformer):
@@ -217,14 +218,18 @@ def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequen
     if not min_tokens <= max_chunk <= cfg.max_seq_len:
         raise ExportError("validate", f"max_chunk {max_chunk} must be in [{min_tokens} (largest compression "
                                       f"ratio), max_seq_len {cfg.max_seq_len}]")
-    n_slots = int(n_slots if n_slots is not None else max(bs))
-    if n_slots < max(bs):
-        raise ExportError("validate", f"n_slots {n_slots} is smaller than the largest batch size {max(bs)} "
+    dec_bs = sorted(set(int(b) for b in (decode_batch_sizes or bs)))
+    if any(b < 1 for b in dec_bs):
+        raise ExportError("validate", f"decode batch sizes must be integers >= 1, got {dec_bs}")
+    # default: enough slots for the largest call of either kind (decode often runs wider than prefill)
+    n_slots = int(n_slots if n_slots is not None else max(bs + dec_bs))
+    if n_slots < max(bs + dec_bs):
+        raise ExportError("validate", f"n_slots {n_slots} is smaller than the largest batch size {max(bs + dec_bs)} "
                                       "(slots within one call must be distinct)")
     for name, p in model.named_parameters():
         if p.is_meta:
             raise ExportError("validate", f"parameter {name} has no data (meta tensor); load weights first")
-    return tgts, bs, min_tokens, max_chunk, n_slots
+    return tgts, bs, dec_bs, min_tokens, max_chunk, n_slots
 
 
 def _short(e: BaseException) -> str:
@@ -394,10 +399,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
-    tgts, bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes, max_chunk, n_slots)
-    dec_bs = sorted(set(int(b) for b in (decode_batch_sizes or bs)))
-    if any(b < 1 for b in dec_bs) or max(dec_bs) > n_slots:
-        raise ExportError("validate", f"decode batch sizes {dec_bs} must be in [1, n_slots={n_slots}]")
+    tgts, bs, dec_bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes,
+                                                                 decode_batch_sizes, max_chunk, n_slots)
     score_bs = [1] if score else []
     if kernels:
         from .model_kernels import kernel_help, resolve_choices

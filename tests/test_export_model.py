@@ -279,6 +279,19 @@ def test_bad_chunk_and_slots(small_model, tmp_path):
         export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), max_chunk=8)
     with pytest.raises(ExportError, match="n_slots 2 is smaller than the largest batch size 4"):
         export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), n_slots=2)
+    with pytest.raises(ExportError, match="n_slots 4 is smaller than the largest batch size 8"):
+        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), decode_batch_sizes=(1, 8), n_slots=4)
+    with pytest.raises(ExportError, match="decode batch sizes must be integers >= 1"):
+        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), decode_batch_sizes=(0, 4))
+
+
+def test_default_slots_cover_decode_batch_sizes():
+    """Without --n-slots the state holds as many slots as the widest call of either kind."""
+    from dsv4.export.exporter import _validate
+
+    m = Transformer(tiny_cfg(), dtype=torch.float32)
+    *_, n_slots = _validate(m, tiny_cfg(), ["llvm-cpu"], (1, 4), (1, 4, 16), None, None)
+    assert n_slots == 16
 
 
 def _quantized_tiny() -> Transformer:
