@@ -47,9 +47,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _BYTES = (torch.uint8, torch.int8)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
 _MLIR = "quant.mlir.jinja"  # one template for the four quantized linears (and the qdq kernels)
-# The FP8 linears' MLIR: "kernel" is the FP8 x FP8 block GEMM (matrix cores); "kernel_f32" dequantizes
+# The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_f32" dequantizes
 # the weight into an f32 GEMM (the form before it; also what ragged N/K shapes always get)
-_F32_GEMM = {"kernel_f32": {"gemm": "f32"}}
+_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_fp8": {"gemm": "fp8"}}
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -100,7 +100,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants=_F32_GEMM, export="kernel")
+        mlir_variants=_GEMMS, export="kernel")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -148,7 +148,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_F32_GEMM, export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
