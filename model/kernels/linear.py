@@ -17,6 +17,14 @@ the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values;
 static shapes only. Export does not trace these references by default: each quantized linear is
 one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
 and shapes before calling the hook (the kernel itself checks nothing).
+
+The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores from 16 rows on
+(implementation "kernel" = gemm auto; "kernel_fp8" always, "kernel_f32" never): the activation as
+e4m3 codes + power-of-two scales, FP8 x FP8 products summed in f32 per 128-K block, the block sums
+times (activation scale x weight scale) added up in f32. Every FP8 product is exact and the scales
+are powers of two, so this equals the dequantized form above up to fp32 summation order. The
+activation is quantized whenever the weight is FP8, with or without `quant_sim` (which only
+switches the KV / indexer simulations): FP8 activations are part of the reference's FP8 linear.
 """
 
 from __future__ import annotations
