@@ -153,6 +153,7 @@ class KernelOp:
         alternatives: Mapping[str, Callable[..., Any]] | None = None,
         default: str = "reference",
         mlir_variants: Mapping[str, Mapping[str, Any]] | None = None,
+        trace_sizes: Sequence[str] = (),
     ):
         if not re.fullmatch(r"[A-Za-z_]\w*", name):
             raise ValueError(f"kernel op name must be an identifier, got {name!r}")
@@ -175,7 +176,11 @@ class KernelOp:
             raise ValueError(f"{name}: {sorted(set(self.alternatives) & set(self.mlir_variants))} named twice")
         if self.mlir_variants and mlir is None:
             raise ValueError(f"{name}: MLIR variants need an MLIR template")
+        self.trace_sizes = frozenset(LEAD if d == "..." else d for d in trace_sizes)
         self._check_spec()
+        unknown = self.trace_sizes - {d for a in self.args for d in a.dims if isinstance(d, str)}
+        if unknown:
+            raise ValueError(f"{name}: trace_sizes {sorted(unknown)} are not argument dims")
         self.default = default
         if default not in self.impl_names:
             raise ValueError(f"{name}: default impl {default!r} not in {self.impl_names}")
@@ -190,7 +195,7 @@ class KernelOp:
         return cls(spec.name, spec.reference, args=spec.args or {}, results=spec.results or {},
                    mlir=spec.mlir_template() if spec.mlir else None, static=spec.static,
                    result_dtypes=spec.result_dtypes, dtypes=spec.dtypes, alternatives=spec.alternatives,
-                   mlir_variants=spec.mlir_variants)
+                   mlir_variants=spec.mlir_variants, trace_sizes=spec.trace_sizes)
 
     def _check_spec(self) -> None:
         if not self.args:  # a reference-only hook: nothing to check, nothing to lower
@@ -537,9 +542,15 @@ def _register_turbine_op(kop: KernelOp, impl: str = "kernel") -> Any:
                 for ax, dn in enumerate(a.dims):
                     if isinstance(dn, str) and dn in kop.static and dn not in env:
                         env[dn] = int(d.spec_dims[ax])
+                    if dn in kop.trace_sizes:
+                        key = "lead_size" if dn == LEAD else f"{dn}_size"
+                        size = d.t.shape[ax]  # an int in a static-shape entry point, else a SymInt
+                        if env.get(key) is None:
+                            env[key] = int(size) if isinstance(size, int) else None
             else:
                 env[a.name] = d.v
         parts += [f"{dn}{env[dn]}" for dn in sorted(kop.static)]
+        parts += [f"{k}{env[k]}" for k in sorted(k for k in env if k.endswith("_size") and env[k] is not None)]
         parts += [f"{a.name}{env[a.name]}" for a in kop.args if a.kind != "tensor"]
         for r, d in zip(kop.results, ksel.result_descs):
             env[f"{r.name}_type"] = d.mlir_type_asm

@@ -290,14 +290,53 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"sm_89"}
     ptx = " ".join(t.decode(errors="replace") for t in re.findall(rb"\.version[^\x00]*", res.path.read_bytes()))
     assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in ptx, "cuda: the FP8 GEMM is not on the tensor cores"
-    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"]}, tmp_path / "gfx.mlir")
+    w_rg, s_rg = fp8_fn_to_fnuz(_fp8_weight(200, 300, nan=False), torch.full((2, 3), 120, dtype=torch.uint8))
+    ragged = (_Fn(fp8_block_linear, w_rg, s_rg), _r(2, 5, 300).to(torch.bfloat16))  # ragged: the f32 GEMM
+    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"], "fp8_fnuz_ragged": ragged}, tmp_path / "gfx.mlir")
     res = compile_mlir(gfx, "gfx942", tmp_path / "gfx.vmfb")
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"gfx942"}
     isa = _gfx942_disassembly(res.path)
     if isa is not None:
-        # the auto GEMM holds both forms (rows < 16: f32 with hardware fnuz conversion; else FP8 MFMA)
+        # the f32 GEMM (ragged case) converts fnuz in hardware; the FP8 GEMM (dynamic rows) is on MFMA
         assert re.search(r"v_cvt_pk_f32_fp8", isa), "gfx942 lost the hardware fp8 conversion"
         assert re.search(r"v_mfma_f32_(16x16x32|32x32x16)_fp8_fp8", isa), "gfx942: the FP8 GEMM is not on the matrix cores"
+
+
+def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):
+    """The default FP8 kernel picks its GEMM by the rows the trace knows: a static row count below 16
+    (a decode entry point) gets the f32 GEMM in its own specialization, 16 or more static rows and a
+    dynamic row count (prefill) the FP8 x FP8 GEMM; kernel_f32 / kernel_fp8 force one form."""
+    from iree.turbine import aot
+
+    w, s = _fp8_weight(256, 256, nan=False), torch.full((2, 2), 120, dtype=torch.uint8)
+    ws, ss = torch.stack([w, w]), torch.stack([s, s])
+    mods = nn.ModuleDict({"lin": _Fn(fp8_block_linear, w, s), "st": _Fn(fp8_block_linear_stacked, ws, ss)})
+    aot.externalize_module_parameters(mods, external_scope="model")
+    fxb = aot.FxProgramsBuilder(mods)
+    T = torch.export.Dim("T", min=2, max=64)
+    progs = {  # name -> (module, x, dynamic axis, impl, FP8 form expected)
+        "static1": ("lin", torch.zeros(1, 1, 256), None, "kernel", False),
+        "static32": ("lin", torch.zeros(4, 8, 256), None, "kernel", True),
+        "dynamic": ("lin", torch.zeros(1, 5, 256), 1, "kernel", True),
+        "stacked3": ("st", torch.zeros(2, 3, 256), None, "kernel", False),
+        "stacked_dyn": ("st", torch.zeros(2, 5, 256), 1, "kernel", True),
+        "forced_fp8": ("lin", torch.zeros(1, 1, 256), None, "kernel_fp8", True),
+        "forced_f32": ("lin", torch.zeros(1, 5, 256), 1, "kernel_f32", False),
+    }
+    for name, (key, x, ax, impl, _) in progs.items():
+        with torch.no_grad(), use_kernels({"fp8_block_linear": impl, "fp8_block_linear_stacked": impl}):
+            fxb.export_program(lambda m, x, key=key: m[key](x), name=name, args=(x,),
+                               dynamic_shapes=None if ax is None else {"x": {ax: T}}, strict=False)
+    mlir = tmp_path / "forms.mlir"
+    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+    text = mlir.read_text()
+    kernels = dict(re.findall(r"util\.func private @(dsv4k_\w+)\((.*?)\n  }\n", text, re.S))
+    for name, (*_, fp8) in progs.items():
+        public = re.search(rf"func\.func @{name}\(.*?\n  }}\n", text, re.S).group(0)
+        called = re.findall(r"call @(dsv4k_\w+)", public)
+        assert len(called) == 1, (name, called)
+        # the FP8 form's contraction reads f8 codes (extf into it); the f32 form decodes fn bytes by bit ops
+        assert bool(re.search(r"arith\.extf %\w+ : f8E4M3FN to f32", kernels[called[0]])) == fp8, (name, called[0])
 
 
 def test_quantized_decode_graph_holds_kernels_not_their_math():

@@ -12,6 +12,10 @@ needs to replace it:
   inlined into the exported module as the implementation ``"kernel"``;
 * ``mlir_variants``: further MLIR implementations by name, each the same template rendered with
   extra variables (``{"kernel_f32": {"gemm": "f32"}}``: the FP8 linear's f32-GEMM form);
+* ``trace_sizes``: dims (``"..."`` for the leading ones) whose size the template receives as
+  ``<dim>_size`` (``lead_size`` for ``"..."``) when the trace has it as a number (a static-shape entry
+  point), else None; each known size is its own specialization (the FP8 linear picks its GEMM form
+  by the row count);
 * ``alternatives``: other torch implementations (traced as written), by name;
 * ``export``: the implementation export uses unless told otherwise (``dsv4 export --kernel OP=IMPL``).
 
@@ -49,6 +53,7 @@ class Kernel:
     alternatives: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     export: str = "reference"
     mlir_variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    trace_sizes: tuple[str, ...] = ()
 
     @property
     def impls(self) -> list[str]:
@@ -75,7 +80,8 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
            result_dtypes: Mapping[str, Any] | None = None, mlir: str | None = None,
            alternatives: Mapping[str, Callable[..., Any]] | None = None,
            export: str = "reference",
-           mlir_variants: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+           mlir_variants: Mapping[str, Mapping[str, Any]] | None = None,
+           trace_sizes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare `ref` as the hot spot `name` (see the module docstring); returns the hook to call."""
 
     def wrap(ref: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,7 +100,8 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
                 raise FileNotFoundError(f"kernel {name!r}: MLIR template {path} is missing")
         spec = Kernel(name, ref, dict(args) if args else None, dict(results) if results else None, tuple(static),
                       {k: tuple(v) for k, v in (dtypes or {}).items()}, dict(result_dtypes or {}), path,
-                      dict(alternatives or {}), export, {k: dict(v) for k, v in (mlir_variants or {}).items()})
+                      dict(alternatives or {}), export, {k: dict(v) for k, v in (mlir_variants or {}).items()},
+                      tuple(trace_sizes))
         if export not in spec.impls:
             raise ValueError(f"kernel {name!r}: export implementation {export!r} is not one of {spec.impls}")
         KERNELS[name] = spec

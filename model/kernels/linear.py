@@ -18,8 +18,9 @@ static shapes only. Export does not trace these references by default: each quan
 one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
 and shapes before calling the hook (the kernel itself checks nothing).
 
-The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores from 16 rows on
-(implementation "kernel" = gemm auto; "kernel_fp8" always, "kernel_f32" never): the activation as
+The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores (implementation
+"kernel": unless the trace knows there are fewer than 16 rows, i.e. a small static decode batch;
+"kernel_fp8": always; "kernel_f32": never): the activation as
 e4m3 codes + power-of-two scales, FP8 x FP8 products summed in f32 per 128-K block, the block sums
 times (activation scale x weight scale) added up in f32. Every FP8 product is exact and the scales
 are powers of two, so this equals the dequantized form above up to fp32 summation order. The
@@ -108,7 +109,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants=_GEMMS, export="kernel")
+        mlir_variants=_GEMMS, trace_sizes=("...",), export="kernel")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -156,7 +157,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_GEMMS, export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("M",), export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
