@@ -86,9 +86,9 @@ class _Fn(nn.Module):
         return self.fn(x, *self.params, *self.extra)
 
 
-def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "kernel"):
-    """One module, one entry point per case (dynamic dim 1), every kernel op that offers `impl` set to
-    it (the others keep their export default)."""
+def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "kernel", static: tuple = ()):
+    """One module, one entry point per case (dynamic dim 1, static shapes for the cases in `static`),
+    every kernel op that offers `impl` set to it (the others keep their export default)."""
     from iree.turbine import aot
 
     holder = nn.ModuleDict({k: m for k, (m, _) in mods.items()})
@@ -101,7 +101,8 @@ def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "
 
     with torch.no_grad(), use_kernels({"*": impl}):
         for k, (_, x) in mods.items():
-            ep = fxb.export_program(entry(k), name=k, args=(x,), dynamic_shapes={"x": {1: T}}, strict=False)
+            ep = fxb.export_program(entry(k), name=k, args=(x,), strict=False,
+                                    dynamic_shapes=None if k in static else {"x": {1: T}})
             ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
             assert any(o.startswith("dsv4k.") for o in ops), (k, sorted(ops))
     aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(path))
@@ -290,14 +291,14 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"sm_89"}
     ptx = " ".join(t.decode(errors="replace") for t in re.findall(rb"\.version[^\x00]*", res.path.read_bytes()))
     assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in ptx, "cuda: the FP8 GEMM is not on the tensor cores"
-    w_rg, s_rg = fp8_fn_to_fnuz(_fp8_weight(200, 300, nan=False), torch.full((2, 3), 120, dtype=torch.uint8))
-    ragged = (_Fn(fp8_block_linear, w_rg, s_rg), _r(2, 5, 300).to(torch.bfloat16))  # ragged: the f32 GEMM
-    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"], "fp8_fnuz_ragged": ragged}, tmp_path / "gfx.mlir")
+    decode = (lin["fp8_fnuz"][0], lin["fp8_fnuz"][1][:1, :1])  # one static row: the f32 GEMM
+    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"], "fp8_fnuz_decode": decode}, tmp_path / "gfx.mlir",
+                  static=("fp8_fnuz_decode",))
     res = compile_mlir(gfx, "gfx942", tmp_path / "gfx.vmfb")
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"gfx942"}
     isa = _gfx942_disassembly(res.path)
     if isa is not None:
-        # the f32 GEMM (ragged case) converts fnuz in hardware; the FP8 GEMM (dynamic rows) is on MFMA
+        # the f32 GEMM (decode) converts fnuz in hardware; the FP8 GEMM (dynamic rows) is on MFMA
         assert re.search(r"v_cvt_pk_f32_fp8", isa), "gfx942 lost the hardware fp8 conversion"
         assert re.search(r"v_mfma_f32_(16x16x32|32x32x16)_fp8_fp8", isa), "gfx942: the FP8 GEMM is not on the matrix cores"
 
