@@ -6,7 +6,7 @@ entry point (issue 15 item 5; numbers in docs/performance.md "FP8 on the matrix 
 writes OUT/fp8_linear.mlir, OUT/fp8_linear.irpa (random weights: e4m3fnuz for gfx942, else e4m3fn, E8M0
 block scales) and OUT/fp8_linear.<target>.vmfb, then prints the iree-benchmark-module commands that time
 each entry point. Entry points (rows dynamic, bf16 in and out):
-  lin_<impl>(x [T, 4096]) -> [T, 1024]           fp8_block_linear, weight [1024, 4096] (Flash wo_b-sized)
+  lin_<impl>(x [T, 4096]) -> [T, 1024]           fp8_block_linear, weight [1024, 4096] (Flash wq_a-sized)
   exp_<impl>(x [E, T, 4096]) -> [E, T, 2048]     fp8_block_linear_stacked, weight [E, 2048, 4096] (an expert's w1)
 for impl in kernel_f32 (f32 GEMM), kernel_fp8 (FP8 x FP8 block GEMM), kernel (auto: f32 below 16 rows).
 For gfx942, `python bench/gfx942_isa.py OUT/fp8_linear.gfx942.vmfb` counts the instructions.
