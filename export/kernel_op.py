@@ -20,7 +20,9 @@ A ``KernelOp`` is called like a function. What runs (eager) or gets traced (expo
   rendered with extra variables, as its own turbine op (``dsv4k.<name>_<variant>``).
 
 The MLIR lands verbatim as ``util.func private @dsv4k_<op>_<spec>`` (one per specialization, shared
-by all entry points; a static-shape entry point reuses the dynamic kernel), with no
+by all entry points; a static-shape entry point reuses the dynamic kernel, except that the sizes of
+the dims an op names in ``trace_sizes`` reach its template as ``<dim>_size`` when the trace knows
+them, one specialization each), with no
 ``torch.operator`` left, and IREE inlines and fuses it like any other code. It needs
 ``compat.apply()`` on compiler 3.13 and relies on turbine's op_reg internals
 (``KernelSelection``/``KernelBuilder``); eager calls JIT-compile each specialization (first call
