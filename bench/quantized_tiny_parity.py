@@ -39,7 +39,7 @@ if not (out / "config.json").exists():
                      max_chunk=64, n_slots=2, progress=print)
     print("export s", round(time.time() - t0, 1), {k: round(v, 1) for k, v in r.timings.items()} if hasattr(r, "timings") else "")
 c = json.loads((out / "config.json").read_text())
-mod = IreeModule(out / c["targets"]["llvm-cpu"]["vmfb"], out / c["parameters"])
+mod = IreeModule(out / c["targets"]["llvm-cpu"]["vmfb"], [out / p for p in ([c["parameters"]] if isinstance(c["parameters"], str) else c["parameters"])])
 st = new_state(cfg, 2, dt)
 import ml_dtypes
 def host(v): return v.float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()

@@ -16,9 +16,13 @@ A ``KernelOp`` is called like a function. What runs (eager) or gets traced (expo
   ``util.func`` with linalg/IREE ops) into the exported module. Eagerly, turbine JIT-compiles the
   same MLIR through IREE local-task, so the kernel can be checked against the reference without
   exporting.
+* any named *MLIR variant* (``mlir_variants={"kernel_f32": {"gemm": "f32"}}``): the same template
+  rendered with extra variables, as its own turbine op (``dsv4k.<name>_<variant>``).
 
 The MLIR lands verbatim as ``util.func private @dsv4k_<op>_<spec>`` (one per specialization, shared
-by all entry points; a static-shape entry point reuses the dynamic kernel), with no
+by all entry points; a static-shape entry point reuses the dynamic kernel, except that the sizes of
+the dims an op names in ``trace_sizes`` reach its template as ``<dim>_size`` when the trace knows
+them, one specialization each), with no
 ``torch.operator`` left, and IREE inlines and fuses it like any other code. It needs
 ``compat.apply()`` on compiler 3.13 and relies on turbine's op_reg internals
 (``KernelSelection``/``KernelBuilder``); eager calls JIT-compile each specialization (first call
@@ -150,6 +154,8 @@ class KernelOp:
         dtypes: Mapping[str, Sequence[torch.dtype]] | None = None,
         alternatives: Mapping[str, Callable[..., Any]] | None = None,
         default: str = "reference",
+        mlir_variants: Mapping[str, Mapping[str, Any]] | None = None,
+        trace_sizes: Sequence[str] = (),
     ):
         if not re.fullmatch(r"[A-Za-z_]\w*", name):
             raise ValueError(f"kernel op name must be an identifier, got {name!r}")
@@ -164,14 +170,23 @@ class KernelOp:
         self.result_dtypes = dict(result_dtypes or {})
         self.dtypes = {k: tuple(v) for k, v in (dtypes or {}).items()}
         self.alternatives = dict(alternatives or {})
+        self.mlir_variants = {k: dict(v) for k, v in (mlir_variants or {}).items()}
         for reserved in ("reference", "kernel"):
-            if reserved in self.alternatives:
-                raise ValueError(f"{name}: alternative name {reserved!r} is reserved")
+            if reserved in self.alternatives or reserved in self.mlir_variants:
+                raise ValueError(f"{name}: implementation name {reserved!r} is reserved")
+        if set(self.alternatives) & set(self.mlir_variants):
+            raise ValueError(f"{name}: {sorted(set(self.alternatives) & set(self.mlir_variants))} named twice")
+        if self.mlir_variants and mlir is None:
+            raise ValueError(f"{name}: MLIR variants need an MLIR template")
+        self.trace_sizes = frozenset(LEAD if d == "..." else d for d in trace_sizes)
         self._check_spec()
+        unknown = self.trace_sizes - {d for a in self.args for d in a.dims if isinstance(d, str)}
+        if unknown:
+            raise ValueError(f"{name}: trace_sizes {sorted(unknown)} are not argument dims")
         self.default = default
         if default not in self.impl_names:
             raise ValueError(f"{name}: default impl {default!r} not in {self.impl_names}")
-        self._kernel_op: Any = None  # torch.ops.dsv4k.<name>, registered lazily
+        self._kernel_ops: dict[str, Any] = {}  # impl -> torch.ops.dsv4k.<name>[_<variant>], registered lazily
         self.__doc__ = reference.__doc__
         self.__wrapped__ = reference
         KERNEL_OPS[name] = self
@@ -181,7 +196,8 @@ class KernelOp:
         """The op of a model kernel declaration (``dsv4.model.kernels.Kernel``)."""
         return cls(spec.name, spec.reference, args=spec.args or {}, results=spec.results or {},
                    mlir=spec.mlir_template() if spec.mlir else None, static=spec.static,
-                   result_dtypes=spec.result_dtypes, dtypes=spec.dtypes, alternatives=spec.alternatives)
+                   result_dtypes=spec.result_dtypes, dtypes=spec.dtypes, alternatives=spec.alternatives,
+                   mlir_variants=spec.mlir_variants, trace_sizes=spec.trace_sizes)
 
     def _check_spec(self) -> None:
         if not self.args:  # a reference-only hook: nothing to check, nothing to lower
@@ -207,7 +223,7 @@ class KernelOp:
     def impl_names(self) -> list[str]:
         names = ["reference", *self.alternatives]
         if self.mlir is not None:
-            names.append("kernel")
+            names += ["kernel", *self.mlir_variants]
         return names
 
     def implementation(self, impl: str) -> Callable[..., Any]:
@@ -217,12 +233,14 @@ class KernelOp:
             return self.alternatives[impl]
         if impl == "kernel" and self.mlir is not None:
             return self._call_kernel
+        if impl in self.mlir_variants:
+            return lambda *args: self._call_kernel(*args, impl=impl)
         raise ValueError(f"kernel op {self.name!r} has no implementation {impl!r}; choose from {self.impl_names}")
 
     def __call__(self, *args: Any) -> Any:
         return self.implementation(current_impl(self.name))(*args)
 
-    def _call_kernel(self, *args: Any) -> Any:
+    def _call_kernel(self, *args: Any, impl: str = "kernel") -> Any:
         """The turbine op on the hook's arguments: attributes cast to int/float, '...' dims flattened."""
         lead = None
         flat = []
@@ -236,7 +254,7 @@ class KernelOp:
                 lead = tuple(v.shape[: v.dim() - n_tail])
                 v = v.reshape(-1, *v.shape[v.dim() - n_tail:])
             flat.append(v)
-        out = self.kernel(*flat)
+        out = self.turbine_op(impl)(*flat)
         if lead is None:
             return out
         outs = (out,) if len(self.results) == 1 else tuple(out)
@@ -300,13 +318,20 @@ class KernelOp:
     @property
     def kernel(self) -> Any:
         """The turbine custom op (``torch.ops.dsv4k.<name>``), registered on first use."""
+        return self.turbine_op("kernel")
+
+    def turbine_op(self, impl: str = "kernel") -> Any:
+        """The turbine custom op of MLIR implementation `impl` ('kernel' or a variant), registered
+        on first use: ``torch.ops.dsv4k.<name>`` for 'kernel', ``.<name>_<variant>`` for a variant."""
         if self.mlir is None:
             raise ValueError(f"kernel op {self.name!r} has no MLIR kernel")
-        if self._kernel_op is None:
+        if impl != "kernel" and impl not in self.mlir_variants:
+            raise ValueError(f"kernel op {self.name!r} has no MLIR implementation {impl!r}")
+        if impl not in self._kernel_ops:
             with _LOCK:
-                if self._kernel_op is None:
-                    self._kernel_op = _register_turbine_op(self)
-        return self._kernel_op
+                if impl not in self._kernel_ops:
+                    self._kernel_ops[impl] = _register_turbine_op(self, impl)
+        return self._kernel_ops[impl]
 
     def render_mlir(self, env: Mapping[str, Any]) -> str:
         """The kernel's MLIR module text for one specialization (``env`` from the selection)."""
@@ -401,8 +426,8 @@ def set_impl(name: str, impl: "str | None") -> None:
         return
     resolved = _normalize({name: impl})
     for t, i in resolved.items():
-        if i == "kernel":
-            KERNEL_OPS[t].kernel  # register before any (strict/dynamo) tracing sees the op
+        if i == "kernel" or i in KERNEL_OPS[t].mlir_variants:
+            KERNEL_OPS[t].turbine_op(i)  # register before any (strict/dynamo) tracing sees the op
     _SELECTED.update(resolved)
 
 
@@ -463,7 +488,7 @@ def _mangle(parts: Sequence[Any]) -> str:
     return s if len(s) <= 120 else s[:100] + "_" + hashlib.sha1(s.encode()).hexdigest()[:10]
 
 
-def _register_turbine_op(kop: KernelOp) -> Any:
+def _register_turbine_op(kop: KernelOp, impl: str = "kernel") -> Any:
     global _turbine_lib
     from . import compat
 
@@ -480,6 +505,8 @@ def _register_turbine_op(kop: KernelOp) -> Any:
             return self._parse_module_asm(kb, kwargs["text"])
 
     loader = _InlineLoader()
+    op_name = kop.name if impl == "kernel" else f"{kop.name}_{impl}"
+    extra = kop.mlir_variants.get(impl, {})
     tensor_idx = [i for i, a in enumerate(kop.args) if a.kind == "tensor"]
 
     def select(self: Any, ksel: Any) -> None:
@@ -506,8 +533,8 @@ def _register_turbine_op(kop: KernelOp) -> Any:
                 rd.specialize_dims(*axes)
 
     def generate(self: Any, ksel: Any, kb: Any) -> None:
-        env: dict[str, Any] = {}
-        parts = [LIBRARY_NS, kop.name]
+        env: dict[str, Any] = dict(extra)
+        parts = [LIBRARY_NS, op_name]
         for i, a in enumerate(kop.args):
             d = ksel.arg_descs[i]
             if a.kind == "tensor":
@@ -517,9 +544,15 @@ def _register_turbine_op(kop: KernelOp) -> Any:
                 for ax, dn in enumerate(a.dims):
                     if isinstance(dn, str) and dn in kop.static and dn not in env:
                         env[dn] = int(d.spec_dims[ax])
+                    if dn in kop.trace_sizes:
+                        key = "lead_size" if dn == LEAD else f"{dn}_size"
+                        size = d.t.shape[ax]  # an int in a static-shape entry point, else a SymInt
+                        if env.get(key) is None:
+                            env[key] = int(size) if isinstance(size, int) else None
             else:
                 env[a.name] = d.v
         parts += [f"{dn}{env[dn]}" for dn in sorted(kop.static)]
+        parts += [f"{k}{env[k]}" for k in sorted(k for k in env if k.endswith("_size") and env[k] is not None)]
         parts += [f"{a.name}{env[a.name]}" for a in kop.args if a.kind != "tensor"]
         for r, d in zip(kop.results, ksel.result_descs):
             env[f"{r.name}_type"] = d.mlir_type_asm
@@ -535,5 +568,6 @@ def _register_turbine_op(kop: KernelOp) -> Any:
         operands = [kb.arg_value(i) for i in tensor_idx]
         kb.yield_results(*call_function(func, *operands))
 
-    cls = type(kop.name, (CustomOp,), {"signature": kop.schema, "select": select, "generate": generate})
+    schema = kop.schema.replace(kop.name, op_name, 1)
+    cls = type(op_name, (CustomOp,), {"signature": schema, "select": select, "generate": generate})
     return CustomOp.register(library=_turbine_lib)(cls)

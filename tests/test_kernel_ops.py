@@ -235,8 +235,9 @@ def _fwd(n: int):
 
 @pytest.mark.slow  # compiles (tests/conftest.py)
 def test_fp8_block_linear_fnuz_for_gfx942_and_cuda(tmp_path):
-    """gfx942 gets e4m3fnuz weights (fp8_fn_to_fnuz), cuda keeps e4m3fn; both compile because the
-    kernel decodes fp8 bytes with integer ops (cuda cannot lower fp8 -> f32 extf)."""
+    """gfx942 gets e4m3fnuz weights (fp8_fn_to_fnuz), cuda keeps e4m3fn; both compile: the f32 GEMM
+    form decodes e4m3fn bytes with integer ops (cuda cannot lower an fp8 -> f32 extf outside an mma),
+    the FP8 x FP8 form's extf feeds the matrix-core contraction on both."""
     from iree.turbine import aot
 
     x = _r(2, 5, 128)

@@ -8,9 +8,13 @@ the eager references' values:
   on inputs with every special case the rounding meets: exact powers of two and rounding ties,
   e4m3/e2m1 subnormal bands, +-0, NaN, +-inf, overflow, float32 subnormals, all-zero blocks;
 * the linears equal a float64 product of the eager-quantized activation and the eager-dequantized
-  weight within fp32 summation error (the summation order is the compiler's), NaN positions equal;
-* everything compiles for cuda (sm_89: no f8 -> f32 extf anywhere in the e4m3fn path) and gfx942,
-  where e4m3fnuz weights convert with the hardware's v_cvt_pk_f32_fp8;
+  weight within fp32 summation error (the summation order is the compiler's), NaN positions equal,
+  for each GEMM form of the FP8 linear (kernel = auto, kernel_fp8 = FP8 x FP8 block GEMM, kernel_f32);
+* the FP8 x FP8 form's activation codes decode to exactly the eager quantized values (every e4m3
+  grid value through an identity weight, both FP8 formats, bitwise);
+* everything compiles for cuda and gfx942: the FP8 x FP8 GEMM runs on the matrix cores of both
+  (v_mfma_f32_16x16x32_fp8_fp8, mma.sync m16n8k32 e4m3), the f32 form converts e4m3fnuz weights with
+  the hardware's v_cvt_pk_f32_fp8 on gfx942 and decodes e4m3fn with integer ops for cuda;
 * a quantized model's traced decode graph holds the kernels and none of the math they replace.
 """
 
@@ -82,8 +86,9 @@ class _Fn(nn.Module):
         return self.fn(x, *self.params, *self.extra)
 
 
-def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "kernel"):
-    """One module, one entry point per case (dynamic dim 1), every kernel op set to `impl`."""
+def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "kernel", static: tuple = ()):
+    """One module, one entry point per case (dynamic dim 1, static shapes for the cases in `static`),
+    every kernel op that offers `impl` set to it (the others keep their export default)."""
     from iree.turbine import aot
 
     holder = nn.ModuleDict({k: m for k, (m, _) in mods.items()})
@@ -96,7 +101,8 @@ def _export(mods: dict[str, tuple[nn.Module, torch.Tensor]], path, impl: str = "
 
     with torch.no_grad(), use_kernels({"*": impl}):
         for k, (_, x) in mods.items():
-            ep = fxb.export_program(entry(k), name=k, args=(x,), dynamic_shapes={"x": {1: T}}, strict=False)
+            ep = fxb.export_program(entry(k), name=k, args=(x,), strict=False,
+                                    dynamic_shapes=None if k in static else {"x": {1: T}})
             ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
             assert any(o.startswith("dsv4k.") for o in ops), (k, sorted(ops))
     aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(path))
@@ -170,6 +176,10 @@ def _linear_cases() -> dict:
                         x(3, 5, 256)),
         "mxfp4_stacked": (_Fn(mxfp4_linear_stacked, torch.randint(0, 256, (3, 64, 64), generator=G, dtype=torch.uint8),
                               e8(3, 64, 4)), x(3, 5, 128).float()),
+        # 20 rows (>= one 16-row matrix-core tile: the auto GEMM takes the FP8 x FP8 form), f32 in and out
+        "fp8_fnuz_m20": (_Fn(fp8_block_linear, w_nz, s_nz), x(4, 5, 384).float()),
+        "fp8_stacked_m20": (_Fn(fp8_block_linear_stacked, torch.stack([_fp8_weight(128, 256) for _ in range(2)]),
+                                e8(2, 1, 2)), x(2, 20, 256).float()),
     }
 
 
@@ -189,9 +199,12 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.slow  # compiles
-def test_quant_linear_kernels_vs_float64(tmp_path):
+@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32"])
+def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
-    mlir = _export(cases, tmp_path / "lin.mlir")
+    if impl != "kernel":  # the MXFP4 linears have one kernel: checked once, with impl "kernel"
+        cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
+    mlir = _export(cases, tmp_path / "lin.mlir", impl)
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():
         with torch.no_grad():
@@ -203,6 +216,40 @@ def test_quant_linear_kernels_vs_float64(tmp_path):
         assert ok.float().mean() > 0.5, name  # the planted NaN codes poison only some outputs
         err = (got.double() - y64).abs()[ok]
         assert bool((err <= bound[ok] + 1e-30).all()), f"{name}: max err {float(err.max()):.3g}"
+
+
+def _grid_rows() -> torch.Tensor:
+    """[2, 256] f32: every finite e4m3fn value once (the NaN codes 0x7F/0xFF replaced by +-448), so
+    each 128-block's amax is 448 (scale 1); the second row is the first times 2^-10 (scale 2^-10)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[0x7F], codes[0xFF] = 0x7E, 0xFE
+    row = codes.view(torch.float8_e4m3fn).float()
+    return torch.stack([row, row * 2.0**-10])
+
+
+@pytest.mark.slow  # compiles
+def test_fp8_block_gemm_codes_decode_to_eager_values(tmp_path):
+    """The FP8 x FP8 GEMM's activation encoder, both formats: through an identity weight each output is
+    one code x its scales, so the kernel's y must equal eager's quantized activation bitwise, for every
+    e4m3 grid value (encode -> decode on the matrix-core path is the identity on the grid) and for
+    the rounding specials (ties, subnormal bands, +-0, NaN, +-inf, all-zero blocks, near overflow)."""
+    eye = torch.eye(256).to(torch.float8_e4m3fn)
+    one = torch.full((2, 2), 127, dtype=torch.uint8)  # E8M0 1.0
+    eye_nz, one_nz = fp8_fn_to_fnuz(eye, one)
+    x = torch.cat([_grid_rows(), _special_rows(256)])[None]  # [1, 11, 256]
+    cases = {"fn": (_Fn(fp8_block_linear, eye, one), x), "fnuz": (_Fn(fp8_block_linear, eye_nz, one_nz), x)}
+    mlir = _export(cases, tmp_path / "grid.mlir", "kernel_fp8")
+    m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "grid.vmfb").path, tmp_path / "grid.irpa")
+    q = fp8_act_qdq(x)
+    assert torch.equal(q[0, :2], x[0, :2])  # the grid rows are their own quantization
+    for name, (mod, xx) in cases.items():
+        with torch.no_grad():
+            want = mod(xx)
+        got = _run(m, name, xx)
+        assert torch.equal(got[0, :2], x[0, :2]), name  # every grid value comes back (-0 as +0: a sum)
+        assert _bitwise(got, want), f"{name}: {int((got != want).sum())} elements differ"
+        finite = ~want.isnan().any(-1)  # a NaN poisons its row (NaN x 0 in the other columns)
+        assert torch.equal(got[finite], q[finite]), name
 
 
 def _gfx942_disassembly(vmfb) -> str | None:
@@ -225,9 +272,11 @@ def _gfx942_disassembly(vmfb) -> str | None:
 
 @pytest.mark.slow  # compiles for two GPU targets
 def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
-    """cuda gets e4m3fn (decoded with integer ops: its backend cannot lower an f8 extf), gfx942
-    e4m3fnuz, converted by the hardware instruction (checked in the ISA when llvm-objdump-19 is
-    installed); the qdq, Hadamard and Sinkhorn kernels compile for both."""
+    """cuda gets e4m3fn, gfx942 e4m3fnuz. The FP8 x FP8 GEMM lands on the matrix cores of both (the
+    PTX's mma.sync e4m3; gfx942's FP8 MFMA, checked in the ISA when llvm-objdump-19 is installed);
+    the f32 GEMM form decodes e4m3fn with integer ops (cuda lowers an f8 extf only where it feeds an
+    mma) and converts e4m3fnuz with the hardware instruction; the qdq, Hadamard and Sinkhorn kernels
+    compile for both."""
     lin = _linear_cases()
     x3 = _r(2, 5, 256).to(torch.bfloat16)
     common = {
@@ -240,12 +289,55 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
     cuda = _export({**common, "fp8": lin["fp8"], "fp8_stacked": lin["fp8_stacked"]}, tmp_path / "cuda.mlir")
     res = compile_mlir(cuda, "cuda", tmp_path / "cuda.vmfb")
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"sm_89"}
-    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"]}, tmp_path / "gfx.mlir")
+    ptx = " ".join(t.decode(errors="replace") for t in re.findall(rb"\.version[^\x00]*", res.path.read_bytes()))
+    assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in ptx, "cuda: the FP8 GEMM is not on the tensor cores"
+    decode = (lin["fp8_fnuz"][0], lin["fp8_fnuz"][1][:1, :1])  # one static row: the f32 GEMM
+    gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"], "fp8_fnuz_decode": decode}, tmp_path / "gfx.mlir",
+                  static=("fp8_fnuz_decode",))
     res = compile_mlir(gfx, "gfx942", tmp_path / "gfx.vmfb")
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"gfx942"}
     isa = _gfx942_disassembly(res.path)
     if isa is not None:
+        # the f32 GEMM (decode) converts fnuz in hardware; the FP8 GEMM (dynamic rows) is on MFMA
         assert re.search(r"v_cvt_pk_f32_fp8", isa), "gfx942 lost the hardware fp8 conversion"
+        assert re.search(r"v_mfma_f32_(16x16x32|32x32x16)_fp8_fp8", isa), "gfx942: the FP8 GEMM is not on the matrix cores"
+
+
+def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):
+    """The default FP8 kernel picks its GEMM by the rows the trace knows: a static row count below 16
+    (a decode entry point) gets the f32 GEMM in its own specialization, 16 or more static rows and a
+    dynamic row count (prefill) the FP8 x FP8 GEMM; kernel_f32 / kernel_fp8 force one form."""
+    from iree.turbine import aot
+
+    w, s = _fp8_weight(256, 256, nan=False), torch.full((2, 2), 120, dtype=torch.uint8)
+    ws, ss = torch.stack([w, w]), torch.stack([s, s])
+    mods = nn.ModuleDict({"lin": _Fn(fp8_block_linear, w, s), "st": _Fn(fp8_block_linear_stacked, ws, ss)})
+    aot.externalize_module_parameters(mods, external_scope="model")
+    fxb = aot.FxProgramsBuilder(mods)
+    T = torch.export.Dim("T", min=2, max=64)
+    progs = {  # name -> (module, x, dynamic axis, impl, FP8 form expected)
+        "static1": ("lin", torch.zeros(1, 1, 256), None, "kernel", False),
+        "static32": ("lin", torch.zeros(4, 8, 256), None, "kernel", True),
+        "dynamic": ("lin", torch.zeros(1, 5, 256), 1, "kernel", True),
+        "stacked3": ("st", torch.zeros(2, 3, 256), None, "kernel", False),
+        "stacked_dyn": ("st", torch.zeros(2, 5, 256), 1, "kernel", True),
+        "forced_fp8": ("lin", torch.zeros(1, 1, 256), None, "kernel_fp8", True),
+        "forced_f32": ("lin", torch.zeros(1, 5, 256), 1, "kernel_f32", False),
+    }
+    for name, (key, x, ax, impl, _) in progs.items():
+        with torch.no_grad(), use_kernels({"fp8_block_linear": impl, "fp8_block_linear_stacked": impl}):
+            fxb.export_program(lambda m, x, key=key: m[key](x), name=name, args=(x,),
+                               dynamic_shapes=None if ax is None else {"x": {ax: T}}, strict=False)
+    mlir = tmp_path / "forms.mlir"
+    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+    text = mlir.read_text()
+    kernels = dict(re.findall(r"util\.func private @(dsv4k_\w+)\((.*?)\n  }\n", text, re.S))
+    for name, (*_, fp8) in progs.items():
+        public = re.search(rf"func\.func @{name}\(.*?\n  }}\n", text, re.S).group(0)
+        called = re.findall(r"call @(dsv4k_\w+)", public)
+        assert len(called) == 1, (name, called)
+        # the FP8 form's contraction reads f8 codes (extf into it); the f32 form decodes fn bytes by bit ops
+        assert bool(re.search(r"arith\.extf %\w+ : f8E4M3FN to f32", kernels[called[0]])) == fp8, (name, called[0])
 
 
 def test_quantized_decode_graph_holds_kernels_not_their_math():

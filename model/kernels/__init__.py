@@ -10,6 +10,12 @@ needs to replace it:
   restricts argument dtypes, ``result_dtypes`` sets result dtypes (default: the first tensor's);
 * ``mlir``: a Jinja2 MLIR template file next to the module (e.g. ``sparse_attention.mlir.jinja``),
   inlined into the exported module as the implementation ``"kernel"``;
+* ``mlir_variants``: further MLIR implementations by name, each the same template rendered with
+  extra variables (``{"kernel_f32": {"gemm": "f32"}}``: the FP8 linear's f32-GEMM form);
+* ``trace_sizes``: dims (``"..."`` for the leading ones) whose size the template receives as
+  ``<dim>_size`` (``lead_size`` for ``"..."``) when the trace has it as a number (a static-shape entry
+  point), else None; each known size is its own specialization (the FP8 linear picks its GEMM form
+  by the row count);
 * ``alternatives``: other torch implementations (traced as written), by name;
 * ``export``: the implementation export uses unless told otherwise (``dsv4 export --kernel OP=IMPL``).
 
@@ -46,11 +52,14 @@ class Kernel:
     mlir: Path | None = None
     alternatives: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     export: str = "reference"
+    mlir_variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    trace_sizes: tuple[str, ...] = ()
 
     @property
     def impls(self) -> list[str]:
-        """Implementation names: 'reference', the torch alternatives, 'kernel' when there is MLIR."""
-        return ["reference", *self.alternatives, *(["kernel"] if self.mlir else [])]
+        """Implementation names: 'reference', the torch alternatives, 'kernel' when there is MLIR,
+        then the MLIR variants."""
+        return ["reference", *self.alternatives, *(["kernel", *self.mlir_variants] if self.mlir else [])]
 
     def mlir_template(self) -> str:
         if self.mlir is None:
@@ -70,7 +79,9 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
            static: Sequence[str] = (), dtypes: Mapping[str, Sequence[Any]] | None = None,
            result_dtypes: Mapping[str, Any] | None = None, mlir: str | None = None,
            alternatives: Mapping[str, Callable[..., Any]] | None = None,
-           export: str = "reference") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+           export: str = "reference",
+           mlir_variants: Mapping[str, Mapping[str, Any]] | None = None,
+           trace_sizes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare `ref` as the hot spot `name` (see the module docstring); returns the hook to call."""
 
     def wrap(ref: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,6 +89,8 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
             raise ValueError(f"kernel {name!r} is declared twice")
         if (args is None) != (results is None) or (mlir and args is None):
             raise ValueError(f"kernel {name!r}: args and results go together, and an MLIR kernel needs them")
+        if mlir_variants and not mlir:
+            raise ValueError(f"kernel {name!r}: MLIR variants need an MLIR template")
         path = None
         if mlir is not None:
             import sys
@@ -87,7 +100,8 @@ def kernel(name: str, *, args: Mapping[str, Any] | None = None, results: Mapping
                 raise FileNotFoundError(f"kernel {name!r}: MLIR template {path} is missing")
         spec = Kernel(name, ref, dict(args) if args else None, dict(results) if results else None, tuple(static),
                       {k: tuple(v) for k, v in (dtypes or {}).items()}, dict(result_dtypes or {}), path,
-                      dict(alternatives or {}), export)
+                      dict(alternatives or {}), export, {k: dict(v) for k, v in (mlir_variants or {}).items()},
+                      tuple(trace_sizes))
         if export not in spec.impls:
             raise ValueError(f"kernel {name!r}: export implementation {export!r} is not one of {spec.impls}")
         KERNELS[name] = spec

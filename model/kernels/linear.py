@@ -17,6 +17,15 @@ the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values;
 static shapes only. Export does not trace these references by default: each quantized linear is
 one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
 and shapes before calling the hook (the kernel itself checks nothing).
+
+The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores (implementation
+"kernel": unless the trace knows there are fewer than 16 rows, i.e. a small static decode batch;
+"kernel_fp8": always; "kernel_f32": never): the activation as
+e4m3 codes + power-of-two scales, FP8 x FP8 products summed in f32 per 128-K block, the block sums
+times (activation scale x weight scale) added up in f32. Every FP8 product is exact and the scales
+are powers of two, so this equals the dequantized form above up to fp32 summation order. The
+activation is quantized whenever the weight is FP8, with or without `quant_sim` (which only
+switches the KV / indexer simulations): FP8 activations are part of the reference's FP8 linear.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _BYTES = (torch.uint8, torch.int8)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
 _MLIR = "quant.mlir.jinja"  # one template for the four quantized linears (and the qdq kernels)
+# The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_f32" dequantizes
+# the weight into an f32 GEMM (the form before it; also what ragged N/K shapes always get)
+_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_fp8": {"gemm": "fp8"}}
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -97,7 +109,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        export="kernel")
+        mlir_variants=_GEMMS, trace_sizes=("...",), export="kernel")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -145,7 +157,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("M",), export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
