@@ -19,7 +19,8 @@ one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear
 and shapes before calling the hook (the kernel itself checks nothing).
 
 The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores (implementation
-"kernel": unless the trace knows there are fewer than 16 rows, i.e. a small static decode batch;
+"kernel": when the rows are dynamic (prefill), not in the static-shape decode entry points, whose
+batch sizes must all round alike for batch invariance;
 "kernel_fp8": always; "kernel_f32": never): the activation as
 e4m3 codes + power-of-two scales, FP8 x FP8 products summed in f32 per 128-K block, the block sums
 times (activation scale x weight scale) added up in f32. Every FP8 product is exact and the scales
