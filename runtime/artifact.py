@@ -33,6 +33,10 @@ Weights (fields of config.json; `runtime/weights.py` reads and writes the files)
   e4m3fnuz) has its own ``parameters`` and ``fp8_dtype``; its tensors are ``weights.tensors``
   with every FP8 dtype replaced by ``fp8_dtype``, holding the same values (same bits, block scale
   x2 or /2: formats.fp8_fn_to_fnuz). `ExportConfig.weight_groups()` lists the groups.
+* ``devices`` (only in a multi-device export, `dsv4 export --devices N`): {"count": N, the shares
+  per device, "layout": what is split how (export/sharding.py)}. The vmfb then drives N HAL devices
+  of its target's driver, opened in order in one context (runtime/module.py); the state lives on
+  device 0, the weights are split per device under ``...shards.<d>...`` keys (in the same files).
 * an export made without weights has config.json and the vmfbs only; `ExportConfig.load` then
   raises one ArtifactError naming the missing file and the command that writes weights
   (`load(..., weights=False)` reads it anyway, for that command).
@@ -131,10 +135,12 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  parameters: str | Sequence[str], tokenizer: str | None, bos_token_id: int | None,
                  eos_token_ids: Sequence[int], export_id: str,
                  extra_functions: Mapping[str, Any] | None = None,
-                 weights: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 weights: Mapping[str, Any] | None = None,
+                 devices: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
-    "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry)."""
+    "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
+    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -162,6 +168,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "bos_token_id": bos_token_id,
         "eos_token_ids": list(eos_token_ids),
         "export_id": export_id,
+        **({"devices": dict(devices)} if devices is not None else {}),
     }
 
 
@@ -380,6 +387,7 @@ class ExportConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     export_id: str | None
+    n_devices: int = 1  # config.json "devices.count": HAL devices the module drives (state on device 0)
 
     @classmethod
     def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
@@ -490,6 +498,9 @@ class ExportConfig:
         _need(bos is None or (isinstance(bos, int) and 0 <= bos < vocab), p,
               f"bos_token_id: must be a token id below vocab_size {vocab}, got {bos!r}")
         eid = raw.get("export_id")
+        dev = raw.get("devices", {"count": 1})
+        _need(isinstance(dev, dict) and _pos_int(dev.get("count")), p,
+              f"devices: must be an object with a positive integer count, got {dev!r}")
         return cls(
             directory=d, raw=raw, model=model, vocab_size=int(vocab), max_seq_len=int(raw["max_seq_len"]),
             n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
@@ -498,6 +509,7 @@ class ExportConfig:
             targets=targets, parameters=tuple(d / f for f in params), weights=inventory, shard_bytes=shard_bytes,
             tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
+            n_devices=int(dev["count"]),
         )
 
     def parameters_for(self, target: str) -> tuple[Path, ...]:

@@ -1,0 +1,158 @@
+"""Multi-device exports (`dsv4 export --devices N`, export/sharding.py) on llvm-cpu: N local devices
+in one process must give what one device gives.
+
+The model is the tiny preset with 8 query heads in 8 o_groups (so 1, 2, 4 and 8 devices divide heads,
+groups, the 8 routed experts and the 512-token vocabulary) in the release format (FP8 linears, MXFP4
+experts) with fp32 activations, random weights from one seed: every export holds the same weights,
+cut per device. The reference is the N = 1 export of the same weights (itself checked against eager
+torch by the other export tests). Prompts stay under 17 tokens, so the CSA indexer (top-4 of the
+ratio-4 entries) selects every visible entry: a near-tie in its scores cannot flip with the last-bit
+differences that splitting a sum brings (tests/test_model_consistency.py covers the top-k itself)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4.model.config import ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEED = 0
+PROMPT = [3, 17, 100, 250, 511, 7, 42, 300, 5, 64, 128, 256, 1, 2]  # 14 tokens
+NEW_TOKENS = 2  # prompt + new tokens stay <= 16: no indexer selection among ties
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig.preset("tiny", num_attention_heads=8, o_groups=8)
+
+
+def _export(n: int) -> Path:
+    from conftest import cached_export
+
+    from dsv4.export.exporter import export_model
+    from dsv4.model.model import empty_model
+    from dsv4.runtime.random_weights import random_tensors
+
+    cfg = _cfg()
+
+    def build(d: Path) -> None:
+        export_model(empty_model(cfg, torch.float32), cfg, d, targets=["llvm-cpu"], batch_sizes=[1], score=False,
+                     keep_mlir=n == 2, devices=n,
+                     weights=lambda specs, fp8: random_tensors(specs, cfg.to_dict(), SEED))
+
+    return cached_export(f"multidev{n}", build, ["multidev", n, SEED, cfg.to_dict()])
+
+
+@pytest.fixture(scope="module")
+def multidev_exports() -> dict[int, Path]:
+    return {}
+
+
+def _get(exports: dict[int, Path], n: int) -> Path:
+    if n not in exports:
+        exports[n] = _export(n)
+    return exports[n]
+
+
+def _run(export_dir: Path) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Prefill logits of PROMPT, the next decode step's logits, and a greedy continuation."""
+    from dsv4.runtime.engine import Engine
+
+    eng = Engine(export_dir)
+    n = len(PROMPT)
+    i64 = np.int64
+    state = [eng.module.zeros(s) for s in eng.config.state]
+    toks = np.array([PROMPT], i64)
+    pre, arg = eng.module("prefill_bs1", toks, np.zeros(1, i64), np.array([n], i64), np.zeros(1, i64), *state)
+    dec, _ = eng.module("decode_bs1", arg.reshape(1, 1).astype(i64), np.array([n], i64), np.ones(1, i64),
+                        np.zeros(1, i64), *state)
+    greedy = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS).tokens
+    return pre, dec, list(greedy)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_n_devices_equal_one_device(multidev_exports: dict[int, Path], n: int) -> None:
+    ref = _run(_get(multidev_exports, 1))
+    got = _run(_get(multidev_exports, n))
+    for a, b in zip(ref[:2], got[:2]):
+        assert a.shape == b.shape == (1, _cfg().vocab_size)
+        # fp32 activations: only the order of the split sums changes
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), np.abs(a - b).max()
+        assert int(a.argmax()) == int(b.argmax())
+    assert got[2] == ref[2]
+
+
+def test_multidevice_config_records_layout_and_per_device_weights(multidev_exports: dict[int, Path]) -> None:
+    from dsv4.runtime.artifact import ExportConfig
+
+    d = _get(multidev_exports, 2)
+    raw = json.loads((d / "config.json").read_text())
+    cfg = _cfg()
+    assert raw["devices"]["count"] == 2 and ExportConfig.load(d).n_devices == 2
+    assert raw["devices"]["experts_per_device"] == cfg.n_routed_experts // 2
+    flags = raw["targets"]["llvm-cpu"]["flags"]
+    assert [f for f in flags if f.startswith("--iree-hal-target-device")] == [
+        "--iree-hal-target-device=local[0]", "--iree-hal-target-device=local[1]"]
+    shapes = {k: s for k, s, _ in raw["weights"]["tensors"]}
+    assert "model.layers.0.ffn.experts.w1" not in shapes and "model.head.weight" not in shapes
+    for dev in range(2):
+        assert shapes[f"model.layers.0.ffn.experts.shards.{dev}.w1"][0] == cfg.n_routed_experts // 2
+        assert shapes[f"model.head.shards.{dev}.weight"] == [cfg.vocab_size // 2, cfg.hidden_size]
+        assert shapes[f"model.embed.shards.{dev}.weight"] == [cfg.vocab_size // 2, cfg.hidden_size]
+        assert shapes[f"model.layers.1.attn.head_shards.shards.{dev}.wq_b.weight"] == [
+            cfg.num_attention_heads // 2 * cfg.head_dim, cfg.q_lora_rank]
+    # the compiled graph places each shard's parameters on its device
+    mlir = (d / "model.mlir").read_text()
+    assert '{stream.affinity = #hal.device.promise<@__device_1>} = #flow.parameter.named<"model"::' \
+           '"model.layers.0.ffn.experts.shards.1.w1">' in mlir
+    assert "flow.tensor.transfer" in mlir
+
+
+def test_engine_refuses_a_device_count_the_export_was_not_built_for(multidev_exports: dict[int, Path]) -> None:
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.errors import EngineError
+
+    with pytest.raises(EngineError, match="exported for 2 device"):
+        Engine(_get(multidev_exports, 2), devices=1)
+
+
+@pytest.mark.slow
+def test_two_device_module_compiles_for_gfx942(multidev_exports: dict[int, Path], tmp_path: Path) -> None:
+    """The MI300X path (hip x 2): compile only, and the vmfb holds gfx942 code."""
+    from dsv4.export.compile import compile_mlir, resolve_target, vmfb_executables
+
+    d = _get(multidev_exports, 2)
+    res = compile_mlir(d / "model.mlir", resolve_target("gfx942").with_devices(2), tmp_path / "m.vmfb")
+    assert "--iree-hal-target-device=hip[1]" in res.flags
+    assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"gfx942"}
+
+
+def test_devices_that_do_not_divide_fail_before_tracing(tmp_path: Path) -> None:
+    from dsv4.export.exporter import ExportError, export_model
+    from dsv4.model.model import empty_model
+
+    cfg = ModelConfig.preset("tiny")  # 4 heads, 2 o_groups, 8 experts
+    with pytest.raises(ExportError, match=r"validate.*cannot split this model over 3 devices.*heads"):
+        export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=3)
+    with pytest.raises(ExportError, match="o_groups = 2"):
+        export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=4)
+    assert not (tmp_path / "x").exists()
+
+
+def test_shard_tensors_cuts_whole_tensors_into_the_device_keys() -> None:
+    from dsv4.export.sharding import shard_key, shard_tensors
+
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    out = list(shard_tensors([("model.layers.2.ffn.experts.w2_scale", w, "float32"),
+                              ("model.layers.2.ffn.gate.weight", w, "float32")], 4))
+    assert [k for k, _, _ in out] == [f"model.layers.2.ffn.experts.shards.{d}.w2_scale" for d in range(4)] + [
+        "model.layers.2.ffn.gate.weight"]
+    assert np.array_equal(np.concatenate([a for _, a, _ in out[:4]]), w)
+    assert shard_key("model.mtp.0.attn.wq_b.scale", 2) == [
+        "model.mtp.0.attn.head_shards.shards.0.wq_b.scale", "model.mtp.0.attn.head_shards.shards.1.wq_b.scale"]
+    assert shard_key("model.layers.1.attn.indexer.wq_b.weight", 2) is None  # the indexer stays whole
