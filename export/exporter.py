@@ -50,8 +50,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   function_abi,
-                                   new_export_id, staged_export, write_config)
+                                   function_abi, new_export_id, shard_inventory, staged_export, write_config)
 
 from . import compat as _compat
 from .compile import CompileError, Target, check_target, compile_mlir
@@ -471,12 +470,14 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             + (f", {devices} devices" if devices > 1 else ""))
         with _fp8_dtype(model, flavour):
             whole = param_inventory(model)  # what a weight source is asked for
+            specs = shard_inventory(whole, devices)  # the vmfb's keys: per device when devices > 1
             with sharded(model, devices):
-                specs = param_inventory(model)  # the vmfb's keys: per device when devices > 1
+                _check_shards(param_inventory(model), specs)
                 _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
                             export_id, mlir_path, log, timings, tag, probe_topk, kernels)
-                files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights,
-                                       out, log, timings, tag)
+        with sharded(model, devices):  # the weights as they are, not the flavour's placeholders
+            files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights,
+                                   out, log, timings, tag)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
@@ -520,6 +521,14 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         devices=layout(cfg, devices) if devices > 1 else None)
     write_config(stage, config)
     return {**config, "_timings": timings}
+
+
+def _check_shards(traced: list[Any], specs: list[Any]) -> None:
+    """The sharded model's parameters must be the contract's per-device inventory (artifact.SHARD_SPLITS)."""
+    if sorted(traced, key=str) != sorted(specs, key=str):
+        diff = sorted({s.name for s in traced} ^ {s.name for s in specs})[:4]
+        raise ExportError("validate", f"export/sharding.py and artifact.SHARD_SPLITS disagree on the per-device "
+                                      f"tensors (e.g. {diff or 'shapes'})")
 
 
 # (key, array in the dtype's storage type, dtype name) one tensor at a time, given the inventory

@@ -22,14 +22,14 @@ way: no collective library is involved). Layout (`LAYOUT`, recorded in config.js
 * everything else (mHC, norms, shared expert, gate, compressors, indexer) on device 0.
 
 Parameter keys: a split tensor ``<module>.<name>`` becomes N tensors ``<module>.shards.{d}.<name>``
-(attention heads: ``<attn>.head_shards.shards.{d}.<name>``), each along dim 0 (`SPLITS`);
-`shard_tensors` cuts a stream of whole tensors (a checkpoint, random weights) the same way.
+(attention heads: ``<attn>.head_shards.shards.{d}.<name>``), each along dim 0; that naming is part
+of the export contract (runtime/artifact.py: `SHARD_SPLITS`, `shard_tensors` cuts a stream of whole
+tensors, a checkpoint or random weights, the same way).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -37,19 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.model.model import Attention, Experts, Linear
+from dsv4.runtime.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
-__all__ = ["LAYOUT", "SPLITS", "check_devices", "layout", "sharded", "shard_tensors", "to_device"]
+__all__ = ["LAYOUT", "SHARD_SPLITS", "check_devices", "layout", "sharded", "shard_key", "shard_tensors",
+           "to_device"]
 
 FP8_BLOCK = 128
-
-# (regex on a whole tensor's key, its shard keys with {d}): every split is along dim 0, in N equal parts
-SPLITS: tuple[tuple[str, str], ...] = (
-    (r"^(.*\.ffn\.experts)\.(w[123](?:_scale)?)$", r"\1.shards.{d}.\2"),
-    (r"^(.*\.attn)\.(wq_b\.weight|wq_b\.scale|attn_sink|wo_a\.weight)$", r"\1.head_shards.shards.{d}.\2"),
-    (r"^(.*\.embed)\.weight$", r"\1.shards.{d}.weight"),
-    (r"^(.*\.head)\.weight$", r"\1.shards.{d}.weight"),
-)
-_SPLITS = tuple((re.compile(p), r) for p, r in SPLITS)
 
 LAYOUT = {
     "routed_experts": "split by expert (expert parallel); partial outputs summed on device 0",
@@ -92,26 +85,6 @@ def to_device(d: int, t: torch.Tensor) -> torch.Tensor:
     from iree.turbine.ops.iree import transfer_to_logical_device
 
     return transfer_to_logical_device(str(d), t)
-
-
-def shard_key(key: str, n: int) -> list[str] | None:
-    """The N shard keys of a whole tensor's key, or None when it is not split."""
-    for pat, rep in _SPLITS:
-        if pat.match(key):
-            return [pat.sub(rep.replace("{d}", str(d)), key) for d in range(n)]
-    return None
-
-
-def shard_tensors(tensors: Iterable[tuple[str, Any, str]], n: int) -> Iterator[tuple[str, Any, str]]:
-    """Cut a stream of whole tensors (key, array, dtype name) into the N-device keys (`SPLITS`)."""
-    for key, arr, dt in tensors:
-        keys = shard_key(key, n) if n > 1 else None
-        if keys is None:
-            yield key, arr, dt
-            continue
-        rows = arr.shape[0] // n
-        for d, k in enumerate(keys):
-            yield k, arr[d * rows:(d + 1) * rows], dt
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,11 +52,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
     "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
+    "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_inventory",
 ]
 
 FORMAT = "dsv4-iree-export"
@@ -308,6 +310,61 @@ def check_vmfb(path: str | Path) -> None:
         raise ArtifactError(f"{p}: cannot read: {e.strerror or e}") from None
     if "module.fb" not in names or (ends and max(ends) > size):
         raise ArtifactError(f"{p}: not a complete IREE module (vmfb) (re-export or re-download it)")
+
+
+# --------------------------------------------------------------------------------------------
+# multi-device weights: which whole tensors are cut per device, and their keys
+# --------------------------------------------------------------------------------------------
+
+# (regex on a whole tensor's key, its shard keys with {d}); every cut is along dim 0 in N equal parts
+SHARD_SPLITS: tuple[tuple[str, str], ...] = (
+    (r"^(.*\.ffn\.experts)\.(w[123](?:_scale)?)$", r"\1.shards.{d}.\2"),
+    (r"^(.*\.attn)\.(wq_b\.weight|wq_b\.scale|attn_sink|wo_a\.weight)$", r"\1.head_shards.shards.{d}.\2"),
+    (r"^(.*\.embed)\.weight$", r"\1.shards.{d}.weight"),
+    (r"^(.*\.head)\.weight$", r"\1.shards.{d}.weight"),
+)
+_SHARD_OF = re.compile(r"^(.*?)(?:\.head_shards)?\.shards\.(\d+)\.(.+)$")
+
+
+def shard_key(key: str, n: int) -> list[str] | None:
+    """The n per-device keys of a whole tensor's key (`SHARD_SPLITS`), or None when it is not cut."""
+    for pat, rep in SHARD_SPLITS:
+        if re.match(pat, key):
+            return [re.sub(pat, rep.replace("{d}", str(d)), key) for d in range(n)]
+    return None
+
+
+def shard_tensors(tensors: Iterable[tuple[str, Any, str]], n: int) -> Iterator[tuple[str, Any, str]]:
+    """A stream of whole tensors (key, array, dtype name) as an n-device export stores them."""
+    for key, arr, dt in tensors:
+        keys = shard_key(key, n) if n > 1 else None
+        if keys is None:
+            yield key, arr, dt
+            continue
+        rows = arr.shape[0] // n
+        for d, k in enumerate(keys):
+            yield k, arr[d * rows:(d + 1) * rows], dt
+
+
+def shard_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
+    """The inventory of an n-device export, from the whole tensors' (each cut one in place, in order)."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        keys = shard_key(s.name, n) if n > 1 else None
+        out += [s] if keys is None else [TensorSpec(k, (s.shape[0] // n, *s.shape[1:]), s.dtype) for k in keys]
+    return out
+
+
+def whole_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
+    """The inventory of whole tensors an n-device inventory was cut from (shard 0 keeps the place)."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        m = _SHARD_OF.match(s.name) if n > 1 else None
+        if m is None:
+            out.append(s)
+        elif m.group(2) == "0":
+            out.append(TensorSpec(f"{m.group(1)}.{m.group(3)}", (s.shape[0] * n, *s.shape[1:]), s.dtype))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,3 +156,20 @@ def test_shard_tensors_cuts_whole_tensors_into_the_device_keys() -> None:
     assert shard_key("model.mtp.0.attn.wq_b.scale", 2) == [
         "model.mtp.0.attn.head_shards.shards.0.wq_b.scale", "model.mtp.0.attn.head_shards.shards.1.wq_b.scale"]
     assert shard_key("model.layers.1.attn.indexer.wq_b.weight", 2) is None  # the indexer stays whole
+
+
+def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Path) -> None:
+    """bench/two_devices.mlir, the minimal module of docs/scale.md (fails across two CUDA GPUs with
+    IREE 3.13): compiled for two local devices, run on two local-task devices in one context."""
+    import iree.runtime as rt
+
+    from dsv4.export.compile import compile_mlir, resolve_target
+    from dsv4.runtime.module import IreeModule
+
+    src = Path(__file__).resolve().parents[1] / "bench" / "two_devices.mlir"
+    vmfb = compile_mlir(src, resolve_target("llvm-cpu").with_devices(2), tmp_path / "two.vmfb").path
+    m = IreeModule(vmfb, devices=2)
+    assert len(m.devices) == 2 and m.devices[0] is not m.devices[1]
+    x = np.array([1, 2, 3, 4], np.float32)
+    assert np.array_equal(m("main", x), 2 * x)
+    assert isinstance(m.devices[1], rt.HalDevice)
