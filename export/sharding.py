@@ -63,13 +63,13 @@ def check_devices(cfg: Any, n: int) -> None:
         return
     parts = {"attention heads (num_attention_heads)": cfg.num_attention_heads, "o_groups": cfg.o_groups,
              "routed experts (n_routed_experts)": cfg.n_routed_experts, "vocab_size": cfg.vocab_size}
-    bad = [f"{k} = {v}" for k, v in parts.items() if v % n]
+    bad = [f"{n} does not divide {k} = {v}" for k, v in parts.items() if v % n]
     if cfg.quantization_config and cfg.num_attention_heads % n == 0:
         rows = cfg.num_attention_heads // n * cfg.head_dim
         if rows % FP8_BLOCK:
-            bad.append(f"wq_b rows per device = {rows} (not a multiple of the FP8 block, {FP8_BLOCK})")
+            bad.append(f"a device's {rows} wq_b rows are not a whole number of FP8 {FP8_BLOCK}-row blocks")
     if bad:
-        raise ValueError(f"cannot split this model over {n} devices: {n} does not divide " + "; ".join(bad)
+        raise ValueError(f"cannot split this model over {n} devices: " + "; ".join(bad)
                          + " (each device takes an equal share of heads, experts and vocabulary)")
 
 
@@ -223,32 +223,26 @@ _HEAD_PARAMS = ("wq_b", "attn_sink", "wo_a")
 
 @contextlib.contextmanager
 def sharded(model: nn.Module, n: int) -> Iterator[nn.Module]:
-    """`model` (a dsv4 Transformer) laid out over n devices while the block runs (restored after);
-    n = 1 changes nothing."""
+    """`model` (a dsv4 Transformer) laid out over n devices while the block runs; afterwards it is
+    exactly as before (same parameters, same state-dict order). n = 1 changes nothing."""
     if n == 1:
         yield model
         return
     check_devices(model.cfg, n)
-    saved: list[tuple[nn.Module, str, Any]] = []
-
-    def swap(owner: nn.Module, name: str, new: Any) -> None:
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
-
+    blocks = [*model.layers, *model.mtp]
+    touched = [model, *(b.attn for b in blocks), *(b.ffn for b in blocks)]
+    saved = [(m, dict(m._parameters), dict(m._modules), dict(m.__dict__)) for m in touched]
     try:
-        swap(model, "embed", ShardedEmbedding(model.embed, n))
-        swap(model, "head", ShardedHead(model.head, n))
-        for block in [*model.layers, *model.mtp]:
-            swap(block.ffn, "experts", ShardedExperts(block.ffn.experts, n))
+        model.embed = ShardedEmbedding(model.embed, n)
+        model.head = ShardedHead(model.head, n)
+        for block in blocks:
+            block.ffn.experts = ShardedExperts(block.ffn.experts, n)
             attn = block.attn
             attn.head_shards = HeadShards(attn, n)
-            for name in _HEAD_PARAMS:
-                saved.append((attn, name, getattr(attn, name)))
+            for name in _HEAD_PARAMS:  # now held per device by head_shards
                 delattr(attn, name)
-            saved.append((attn, "head_shards", None))  # restored to None
         yield model
     finally:
-        for owner, name, old in reversed(saved):
-            if old is None:
-                delattr(owner, name)  # a submodule: nn.Module keeps it in _modules
-            setattr(owner, name, old)
+        for m, params, mods, attrs in saved:
+            m._parameters, m._modules = params, mods
+            m.__dict__.update({k: v for k, v in attrs.items() if k not in ("_parameters", "_modules")})

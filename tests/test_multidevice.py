@@ -137,7 +137,8 @@ def test_devices_that_do_not_divide_fail_before_tracing(tmp_path: Path) -> None:
     from dsv4.model.model import empty_model
 
     cfg = ModelConfig.preset("tiny")  # 4 heads, 2 o_groups, 8 experts
-    with pytest.raises(ExportError, match=r"validate.*cannot split this model over 3 devices.*heads"):
+    with pytest.raises(ExportError, match="validate.*cannot split this model over 3 devices: 3 does not divide "
+                                          "attention heads"):
         export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=3)
     with pytest.raises(ExportError, match="o_groups = 2"):
         export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=4)
@@ -173,3 +174,24 @@ def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Pa
     x = np.array([1, 2, 3, 4], np.float32)
     assert np.array_equal(m("main", x), 2 * x)
     assert isinstance(m.devices[1], rt.HalDevice)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sharded_model_parameters_are_the_contracts_per_device_inventory(n: int) -> None:
+    """The shard modules (export/sharding.py) hold exactly artifact.shard_inventory's tensors, whose
+    whole_inventory is the one-device inventory again; the model is restored afterwards."""
+    from dsv4.export.sharding import check_devices, sharded
+    from dsv4.model.checkpoint.irpa import param_inventory
+    from dsv4.model.model import empty_model
+    from dsv4.runtime.artifact import shard_inventory, whole_inventory
+
+    cfg = _cfg()
+    model = empty_model(cfg, torch.float32)
+    whole = param_inventory(model)
+    per_device = shard_inventory(whole, n)
+    with sharded(model, n):
+        assert sorted(param_inventory(model), key=str) == sorted(per_device, key=str)
+    assert param_inventory(model) == whole and model.layers[0].attn.head_shards is None
+    assert whole_inventory(per_device, n) == whole
+    for preset in ("flash", "pro"):  # the real models split over 2, 4 and 8 devices
+        check_devices(ModelConfig.preset(preset), n)
