@@ -475,9 +475,8 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                 _check_shards(param_inventory(model), specs)
                 _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
                             export_id, mlir_path, log, timings, tag, probe_topk, kernels)
-        with sharded(model, devices):  # the weights as they are, not the flavour's placeholders
-            files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights,
-                                   out, log, timings, tag)
+        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights, out, log,
+                               timings, tag)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
@@ -540,8 +539,8 @@ def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, who
                    devices: int, weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
                    timings: dict[str, float], tag: str) -> list[str]:
     """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
-    the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. A
-    WeightSource is asked for the `whole` tensors, cut per device here (sharding.shard_tensors)."""
+    the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. The
+    model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors)."""
     from dsv4.runtime.weights import SHARD_BYTES, checked, planned_names, write_shards
 
     if weights is None:
@@ -550,7 +549,7 @@ def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, who
         return files
     fp8 = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
     t0 = time.perf_counter()
-    source = _model_tensors(model, flavour) if weights == "model" else shard_tensors(weights(whole, fp8), devices)
+    source = shard_tensors(_model_tensors(model, flavour) if weights == "model" else weights(whole, fp8), devices)
     total = sum(s.nbytes for s in specs)
     try:
         files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total)

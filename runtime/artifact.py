@@ -68,7 +68,7 @@ __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
     "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
-    "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_inventory",
+    "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
 ]
 
 FORMAT = "dsv4-iree-export"
@@ -355,15 +355,21 @@ def shard_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]
     return out
 
 
+def whole_key(key: str) -> tuple[str, int] | None:
+    """(whole tensor's key, device) of a per-device key, or None for a tensor that is not cut."""
+    m = _SHARD_OF.match(key)
+    return None if m is None else (f"{m.group(1)}.{m.group(3)}", int(m.group(2)))
+
+
 def whole_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
     """The inventory of whole tensors an n-device inventory was cut from (shard 0 keeps the place)."""
     out: list[TensorSpec] = []
     for s in specs:
-        m = _SHARD_OF.match(s.name) if n > 1 else None
-        if m is None:
+        wk = whole_key(s.name) if n > 1 else None
+        if wk is None:
             out.append(s)
-        elif m.group(2) == "0":
-            out.append(TensorSpec(f"{m.group(1)}.{m.group(3)}", (s.shape[0] * n, *s.shape[1:]), s.dtype))
+        elif wk[1] == 0:
+            out.append(TensorSpec(wk[0], (s.shape[0] * n, *s.shape[1:]), s.dtype))
     return out
 
 
