@@ -392,7 +392,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     `empty_model` whose memory is never touched. Raises ExportError naming the failing stage (and op, when known);
     `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
     `devices` > 1 builds one module over that many devices (export/sharding.py: the layout, recorded
-    in config.json's "devices"); the weights are then stored per device. Returns the config.json dict and per-stage timings (seconds)."""
+    in config.json's "devices"); the weights are then stored per device. Returns the config.json dict
+    and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()

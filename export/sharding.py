@@ -30,13 +30,13 @@ tensors, a checkpoint or random weights, the same way).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.model.model import Attention, Experts, Linear
+from dsv4.model.model import Attention, Experts, Linear, gather_rows
 from dsv4.runtime.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
 __all__ = ["LAYOUT", "SHARD_SPLITS", "check_devices", "layout", "sharded", "shard_key", "shard_tensors",
@@ -174,6 +174,12 @@ class HeadShards(nn.Module):
         self.shards = nn.ModuleList(AttentionShard(attn, d, n) for d in range(n))
 
     def forward(self, qr, kvs, idx, cos, sin) -> torch.Tensor:
+        B, T, K = idx.shape
+        if isinstance(T, int) and T == 1 and K < kvs.shape[1]:
+            # one query per row (decode): ship each device only the K rows it reads, not the whole
+            # cache (the same rows in the same order: the same attention)
+            kvs = gather_rows(kvs, idx[:, 0].clamp(min=0))
+            idx = torch.where(idx >= 0, torch.arange(K, device=idx.device), -1)
         outs = []
         for d, shard in enumerate(self.shards):
             cd, sd = to_device(d, cos), to_device(d, sin)
