@@ -30,6 +30,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .artifact import whole_key
+
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile"]
 
@@ -186,6 +188,7 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
     experts = E * (1 - (1 - k / E) ** batch)
     w = 0.0
     for name, n in params.items():
+        name = (whole_key(name) or (name,))[0]  # a multi-device export's parts count as their whole tensor
         if name.startswith("mtp."):
             continue
         if name == "embed.weight" or name.endswith(".tid2eid"):

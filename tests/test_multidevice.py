@@ -78,6 +78,7 @@ def _run(export_dir: Path) -> tuple[np.ndarray, np.ndarray, list[int]]:
     return pre, dec, list(greedy)
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_n_devices_equal_one_device(multidev_exports: dict[int, Path], n: int) -> None:
     ref = _run(_get(multidev_exports, 1))
@@ -90,6 +91,7 @@ def test_n_devices_equal_one_device(multidev_exports: dict[int, Path], n: int) -
     assert got[2] == ref[2]
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_multidevice_config_records_layout_and_per_device_weights(multidev_exports: dict[int, Path]) -> None:
     from dsv4.runtime.artifact import ExportConfig
 
@@ -116,6 +118,7 @@ def test_multidevice_config_records_layout_and_per_device_weights(multidev_expor
     assert "flow.tensor.transfer" in mlir
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_engine_refuses_a_device_count_the_export_was_not_built_for(multidev_exports: dict[int, Path]) -> None:
     from dsv4.runtime.engine import Engine
     from dsv4.runtime.errors import EngineError
@@ -124,6 +127,7 @@ def test_engine_refuses_a_device_count_the_export_was_not_built_for(multidev_exp
         Engine(_get(multidev_exports, 2), devices=1)
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_two_device_module_compiles_for_gfx942(multidev_exports: dict[int, Path]) -> None:
     """The MI300X path (hip x 2): compiled only (nothing here runs it); the vmfb holds gfx942 code and
     reads per-device e4m3fnuz weights."""
@@ -212,6 +216,7 @@ def test_sharded_model_parameters_are_the_contracts_per_device_inventory(n: int)
         check_devices(ModelConfig.preset(preset), n)
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_random_weights_of_a_multidevice_export_are_the_one_device_weights_cut(
         multidev_exports: dict[int, Path], tmp_path: Path) -> None:
     """`dsv4 weights random` on an N-device export (made with --no-weights) writes the whole random
@@ -238,6 +243,7 @@ def test_random_weights_of_a_multidevice_export_are_the_one_device_weights_cut(
         assert np.array_equal(got, whole.tensor(k)), k
 
 
+@pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_eager_model_loads_a_multidevice_exports_weights_whole(multidev_exports: dict[int, Path]) -> None:
     """load_export_model (dsv4 bench --compare's torch side) joins the per-device parts: the eager
     model of the N = 2 export is the N = 1 export's, tensor for tensor."""
