@@ -83,6 +83,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("--no-weights", action="store_true",
                    help="compile from shapes alone: config.json + vmfb, no .irpa (weights never loaded; "
                         "make them later, e.g. on the GPU host, with `dsv4 weights random OUT`)")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="one module over N devices of the target (default 1): query heads, routed experts, "
+                        "embedding and head split across them (docs/scale.md); N must divide the heads, "
+                        "o_groups, experts and vocabulary")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
@@ -138,6 +142,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         targets = args.targets or ["gfx942"]
         for t in targets:
             check_target(t)
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
         import torch
 
         from dsv4.model.config import ModelConfig
@@ -188,7 +194,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
                            tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
-                           weights=weights)
+                           weights=weights, devices=args.devices)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

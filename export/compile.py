@@ -78,6 +78,19 @@ class Target:
     def with_arch(self, arch: str) -> "Target":
         return replace(self, arch=arch)
 
+    def with_devices(self, n: int) -> "Target":
+        """This target for a module over n devices of its kind: ``--iree-hal-target-device=X`` becomes
+        ``X[0]`` ... ``X[n-1]`` (devices ``__device_0`` ..., what iree-turbine's affinities name; runtime
+        ordinal i), plus sharktank's raised affinity-solver bound (iree#21068: long chains of tied ops
+        need more iterations than the default). n = 1 keeps the single-device flags."""
+        if n == 1:
+            return self
+        dev = "--iree-hal-target-device="
+        flags = []
+        for f in self.base_flags:
+            flags += [f"{f}[{i}]" for i in range(n)] if f.startswith(dev) else [f]
+        return replace(self, base_flags=(*flags, "--iree-stream-affinity-solver-max-iterations=1024"))
+
 
 TARGETS: dict[str, Target] = {
     "gfx942": Target(

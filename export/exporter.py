@@ -50,11 +50,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   function_abi,
-                                   new_export_id, staged_export, write_config)
+                                   function_abi, new_export_id, shard_inventory, staged_export, write_config)
 
 from . import compat as _compat
 from .compile import CompileError, Target, check_target, compile_mlir
+from .sharding import check_devices, layout, shard_tensors, sharded
 
 __all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION", "state_entries",
            "function_abi", "score_logprobs"]
@@ -383,7 +383,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  score: bool = True, tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
                  probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
-                 force: bool = False, weights: "WeightSource | str | None" = "model") -> ExportResult:
+                 force: bool = False, weights: "WeightSource | str | None" = "model",
+                 devices: int = 1) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
@@ -395,12 +396,18 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     weights, a release checkpoint streamed shard by shard); with None or a source, `model` may be an
     `empty_model` whose memory is never touched. Raises ExportError naming the failing stage (and op, when known);
     `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
-    Returns the config.json dict and per-stage timings (seconds)."""
+    `devices` > 1 builds one module over that many devices (export/sharding.py: the layout, recorded
+    in config.json's "devices"); the weights are then stored per device. Returns the config.json dict
+    and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
     tgts, bs, dec_bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes,
                                                                  decode_batch_sizes, max_chunk, n_slots)
+    try:
+        check_devices(cfg, devices)
+    except ValueError as e:
+        raise ExportError("validate", str(e)) from None
     score_bs = [1] if score else []
     if kernels:
         from .model_kernels import kernel_help, resolve_choices
@@ -428,7 +435,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
                               n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, dict(kernels or {}),
-                              weights)
+                              weights, devices)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all
     log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
@@ -439,7 +446,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                  bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                  n_slots: int, keep_mlir: bool, tok_src: Path | None, log: Callable[[str], None],
                  extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str],
-                 weights: "WeightSource | str | None") -> dict[str, Any]:
+                 weights: "WeightSource | str | None", devices: int) -> dict[str, Any]:
     """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
     (with the stage timings under "_timings", removed by the caller)."""
     from dsv4.model.checkpoint.irpa import param_inventory
@@ -463,12 +470,17 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         tag = "" if len(groups) == 1 else f"[{flavour}]"
         mlir_path = stage / f"model{suffix}.mlir"
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
-            f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}")
+            f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}"
+            + (f", {devices} devices" if devices > 1 else ""))
         with _fp8_dtype(model, flavour):
-            specs = param_inventory(model)
-            _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                        export_id, mlir_path, log, timings, tag, probe_topk, kernels)
-        files = _weights_stage(stage, f"model{suffix}", model, flavour, specs, weights, out, log, timings, tag)
+            whole = param_inventory(model)  # what a weight source is asked for
+            specs = shard_inventory(whole, devices)  # the vmfb's keys: per device when devices > 1
+            with sharded(model, devices):
+                _check_shards(param_inventory(model), specs)
+                _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
+                            export_id, mlir_path, log, timings, tag, probe_topk, kernels)
+        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights, out, log,
+                               timings, tag)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
@@ -476,7 +488,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             log(f"compiling {t.label} ...")
             try:
                 with _heartbeat(log, f"compiling {t.label}"):
-                    res = compile_mlir(mlir_path, t, vmfb, extra_flags,
+                    res = compile_mlir(mlir_path, t.with_devices(devices), vmfb, extra_flags,
                                        log_path=out.parent / f"{out.name}.{t.name}.log")
             except CompileError as e:
                 raise ExportError(f"compile:{t.label}", str(e), e.ops) from None
@@ -508,9 +520,18 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         score_batch_sizes=score_bs, state=state_entries(cfg, n_slots, act), targets=target_info,
         parameters=first_files, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
         eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra,
-        weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES})
+        weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES},
+        devices=layout(cfg, devices) if devices > 1 else None)
     write_config(stage, config)
     return {**config, "_timings": timings}
+
+
+def _check_shards(traced: list[Any], specs: list[Any]) -> None:
+    """The sharded model's parameters must be the contract's per-device inventory (artifact.SHARD_SPLITS)."""
+    if sorted(traced, key=str) != sorted(specs, key=str):
+        diff = sorted({s.name for s in traced} ^ {s.name for s in specs})[:4]
+        raise ExportError("validate", f"export/sharding.py and artifact.SHARD_SPLITS disagree on the per-device "
+                                      f"tensors (e.g. {diff or 'shapes'})")
 
 
 # (key, array in the dtype's storage type, dtype name) one tensor at a time, given the inventory
@@ -518,11 +539,12 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
 WeightSource = Callable[[list[Any], str], Iterable[tuple[str, "np.ndarray", str]]]
 
 
-def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, specs: list[Any],
-                   weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
+def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, whole: list[Any], specs: list[Any],
+                   devices: int, weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
                    timings: dict[str, float], tag: str) -> list[str]:
     """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
-    the inventory) or, without weights, name the files `dsv4 weights random` will write."""
+    the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. The
+    model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors)."""
     from dsv4.runtime.weights import SHARD_BYTES, checked, planned_names, write_shards
 
     if weights is None:
@@ -531,7 +553,7 @@ def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, spe
         return files
     fp8 = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
     t0 = time.perf_counter()
-    source = _model_tensors(model, flavour) if weights == "model" else weights(specs, fp8)
+    source = shard_tensors(_model_tensors(model, flavour) if weights == "model" else weights(whole, fp8), devices)
     total = sum(s.nbytes for s in specs)
     try:
         files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total)

@@ -293,7 +293,11 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """Single-head-KV (K = V, 512-d) attention with sink, sliding window, and CSA/HCA (spec §2.2-2.7)."""
+    """Single-head-KV (K = V, 512-d) attention with sink, sliding window, and CSA/HCA (spec §2.2-2.7).
+
+    `head_shards` (None here; export/sharding.py sets it for a multi-device export) computes the
+    query heads and their output groups from (qr, kvs, idx, cos, sin) instead of `queries` + `attend`.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None):
         super().__init__()
@@ -304,6 +308,7 @@ class Attention(nn.Module):
         self.quant_sim = c.quant_sim
         self.scale = self.D**-0.5
         self.attn_sink = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.head_shards: nn.Module | None = None
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype, quant)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.wq_b = Linear(c.q_lora_rank, self.H * self.D, dtype, quant)
@@ -317,17 +322,33 @@ class Attention(nn.Module):
         if self.ratio == 4:
             self.indexer = Indexer(c, dtype, quant)
 
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The H query heads [B,T,H,D] from the q latent qr (normalized without weight, roped)."""
+        q = self.wq_b(qr).unflatten(-1, (self.H, self.D))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
+        return rope_tail(q, self.rd, cos, sin)
+
+    def attend(self, q: torch.Tensor, kvs: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Sparse attention of the heads over kvs rows idx, then the grouped low-rank output
+        projection wo_a: [B,T,G,o_lora] (wo_b follows on the flattened groups)."""
+        B, T, H, D = q.shape
+        o = sparse_attention(q, kvs, idx, self.attn_sink, self.scale)
+        o = rope_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
+        o = o.reshape(B, T, self.G, H * D // self.G)
+        wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
+        return torch.einsum("btgk,grk->btgr", o, wo_a)
+
     def forward(self, x: torch.Tensor, b: Batch, st: LayerState, state: dict, rope: dict) -> torch.Tensor:
         B, T, _ = x.shape
-        H, D, rd, W = self.H, self.D, self.rd, self.W
+        rd, W = self.rd, self.W
         cos_t, sin_t = rope["cos"], rope["sin"]
         pos = b.pos.clamp(0, cos_t.shape[0] - 1)
         cos, sin = cos_t[pos], sin_t[pos]
 
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (H, D))
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
-        q = rope_tail(q, rd, cos, sin)
+        shards = self.head_shards
+        q = self.queries(qr, cos, sin) if shards is None else None
 
         kv = rope_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
         if self.quant_sim:
@@ -362,11 +383,8 @@ class Attention(nn.Module):
             idx = torch.cat([idx, torch.where(sel >= 0, W + T + sel, -1)], -1)
             sources.append(cache.to(kv.dtype))
 
-        o = sparse_attention(q, torch.cat(sources, 1), idx, self.attn_sink, self.scale)
-        o = rope_tail(o, rd, cos, sin, inverse=True)  # de-rotate with the query's position
-        o = o.reshape(B, T, self.G, H * D // self.G)
-        wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
-        o = torch.einsum("btgk,grk->btgr", o, wo_a)
+        kvs = torch.cat(sources, 1)
+        o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
         out = self.wo_b(o.flatten(2))
 
         _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
@@ -601,7 +619,7 @@ class Transformer(nn.Module):
             last = (lengths - 1).clamp(min=0)
             h = torch.gather(h, 1, last.view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:]))
         x = (norm or self.norm)(hc_head(h, fn, scale, base, self.cfg.hc_eps, self.cfg.rms_norm_eps))
-        out = F.linear(x.float(), self.head.weight)
+        out = self.head(x.float())
         return out if all_logits else out[:, 0]
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,

@@ -33,6 +33,10 @@ Weights (fields of config.json; `runtime/weights.py` reads and writes the files)
   e4m3fnuz) has its own ``parameters`` and ``fp8_dtype``; its tensors are ``weights.tensors``
   with every FP8 dtype replaced by ``fp8_dtype``, holding the same values (same bits, block scale
   x2 or /2: formats.fp8_fn_to_fnuz). `ExportConfig.weight_groups()` lists the groups.
+* ``devices`` (only in a multi-device export, `dsv4 export --devices N`): {"count": N, the shares
+  per device, "layout": what is split how (export/sharding.py)}. The vmfb then drives N HAL devices
+  of its target's driver, opened in order in one context (runtime/module.py); the state lives on
+  device 0, the weights are split per device under ``...shards.<d>...`` keys (in the same files).
 * an export made without weights has config.json and the vmfbs only; `ExportConfig.load` then
   raises one ArtifactError naming the missing file and the command that writes weights
   (`load(..., weights=False)` reads it anyway, for that command).
@@ -48,11 +52,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,7 @@ __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
     "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
+    "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
 ]
 
 FORMAT = "dsv4-iree-export"
@@ -131,10 +137,12 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  parameters: str | Sequence[str], tokenizer: str | None, bos_token_id: int | None,
                  eos_token_ids: Sequence[int], export_id: str,
                  extra_functions: Mapping[str, Any] | None = None,
-                 weights: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 weights: Mapping[str, Any] | None = None,
+                 devices: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
-    "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry)."""
+    "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
+    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -162,6 +170,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "bos_token_id": bos_token_id,
         "eos_token_ids": list(eos_token_ids),
         "export_id": export_id,
+        **({"devices": dict(devices)} if devices is not None else {}),
     }
 
 
@@ -304,6 +313,67 @@ def check_vmfb(path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# multi-device weights: which whole tensors are cut per device, and their keys
+# --------------------------------------------------------------------------------------------
+
+# (regex on a whole tensor's key, its shard keys with {d}); every cut is along dim 0 in N equal parts
+SHARD_SPLITS: tuple[tuple[str, str], ...] = (
+    (r"^(.*\.ffn\.experts)\.(w[123](?:_scale)?)$", r"\1.shards.{d}.\2"),
+    (r"^(.*\.attn)\.(wq_b\.weight|wq_b\.scale|attn_sink|wo_a\.weight)$", r"\1.head_shards.shards.{d}.\2"),
+    (r"^(.*\.embed)\.weight$", r"\1.shards.{d}.weight"),
+    (r"^(.*\.head)\.weight$", r"\1.shards.{d}.weight"),
+)
+_SHARD_OF = re.compile(r"^(.*?)(?:\.head_shards)?\.shards\.(\d+)\.(.+)$")
+
+
+def shard_key(key: str, n: int) -> list[str] | None:
+    """The n per-device keys of a whole tensor's key (`SHARD_SPLITS`), or None when it is not cut."""
+    for pat, rep in SHARD_SPLITS:
+        if re.match(pat, key):
+            return [re.sub(pat, rep.replace("{d}", str(d)), key) for d in range(n)]
+    return None
+
+
+def shard_tensors(tensors: Iterable[tuple[str, Any, str]], n: int) -> Iterator[tuple[str, Any, str]]:
+    """A stream of whole tensors (key, array, dtype name) as an n-device export stores them."""
+    for key, arr, dt in tensors:
+        keys = shard_key(key, n) if n > 1 else None
+        if keys is None:
+            yield key, arr, dt
+            continue
+        rows = arr.shape[0] // n
+        for d, k in enumerate(keys):
+            yield k, arr[d * rows:(d + 1) * rows], dt
+
+
+def shard_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
+    """The inventory of an n-device export, from the whole tensors' (each cut one in place, in order)."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        keys = shard_key(s.name, n) if n > 1 else None
+        out += [s] if keys is None else [TensorSpec(k, (s.shape[0] // n, *s.shape[1:]), s.dtype) for k in keys]
+    return out
+
+
+def whole_key(key: str) -> tuple[str, int] | None:
+    """(whole tensor's key, device) of a per-device key, or None for a tensor that is not cut."""
+    m = _SHARD_OF.match(key)
+    return None if m is None else (f"{m.group(1)}.{m.group(3)}", int(m.group(2)))
+
+
+def whole_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
+    """The inventory of whole tensors an n-device inventory was cut from (shard 0 keeps the place)."""
+    out: list[TensorSpec] = []
+    for s in specs:
+        wk = whole_key(s.name) if n > 1 else None
+        if wk is None:
+            out.append(s)
+        elif wk[1] == 0:
+            out.append(TensorSpec(wk[0], (s.shape[0] * n, *s.shape[1:]), s.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # reading
 # --------------------------------------------------------------------------------------------
 
@@ -380,6 +450,7 @@ class ExportConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     export_id: str | None
+    n_devices: int = 1  # config.json "devices.count": HAL devices the module drives (state on device 0)
 
     @classmethod
     def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
@@ -490,6 +561,9 @@ class ExportConfig:
         _need(bos is None or (isinstance(bos, int) and 0 <= bos < vocab), p,
               f"bos_token_id: must be a token id below vocab_size {vocab}, got {bos!r}")
         eid = raw.get("export_id")
+        dev = raw.get("devices", {"count": 1})
+        _need(isinstance(dev, dict) and _pos_int(dev.get("count")), p,
+              f"devices: must be an object with a positive integer count, got {dev!r}")
         return cls(
             directory=d, raw=raw, model=model, vocab_size=int(vocab), max_seq_len=int(raw["max_seq_len"]),
             n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
@@ -498,6 +572,7 @@ class ExportConfig:
             targets=targets, parameters=tuple(d / f for f in params), weights=inventory, shard_bytes=shard_bytes,
             tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
+            n_devices=int(dev["count"]),
         )
 
     def parameters_for(self, target: str) -> tuple[Path, ...]:

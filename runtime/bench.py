@@ -30,6 +30,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .artifact import whole_key
+
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile"]
 
@@ -186,6 +188,7 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
     experts = E * (1 - (1 - k / E) ** batch)
     w = 0.0
     for name, n in params.items():
+        name = (whole_key(name) or (name,))[0]  # a multi-device export's parts count as their whole tensor
         if name.startswith("mtp."):
             continue
         if name == "embed.weight" or name.endswith(".tid2eid"):
@@ -241,9 +244,10 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
     inputs = [f"--input={batch}x1xi64=3", f"--input={batch}xi64={position}", f"--input={batch}xi64=1",
               f"--input=@{workdir / 'slots.npy'}"]
     inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]
-    uri = device if device.startswith("local") else f"{device}://0"
+    n_dev = len(eng.module.devices)  # a multi-device export: one --device per device, in order
+    uris = [device] * n_dev if device.startswith("local") else [f"{device}://{i}" for i in range(n_dev)]
     cmd = [str(_tool("iree-benchmark-module")), f"--module={eng.vmfb_path}",
-           *(f"--parameters=model={p}" for p in eng.parameters_paths), f"--device={uri}",
+           *(f"--parameters=model={p}" for p in eng.parameters_paths), *(f"--device={u}" for u in uris),
            f"--function=decode_bs{batch}",
            *inputs, f"--benchmark_min_time={steps}x", f"--device_profiling_mode={mode}",
            f"--device_profiling_output={prof}"]

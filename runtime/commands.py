@@ -39,7 +39,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail("generate", e)
     try:
-        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
+        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
+                     devices=args.devices)
         if args.prompt_ids is not None:
             prompt: Any = args.prompt_ids
         elif args.chat:
@@ -87,7 +88,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     from .errors import EngineError, RequestError
 
     try:
-        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
+        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
+                     devices=args.devices)
         if args.prompt_ids is not None:
             ids: Any = args.prompt_ids
         else:
@@ -113,6 +115,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="IREE driver: local-task/local-sync run the llvm-cpu vmfb, cuda the cuda one, hip the "
                         "gfx942 one (default: local-task)")
     p.add_argument("--device-index", type=int, default=0, help="which GPU (default: 0)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="devices of a multi-device export (dsv4 export --devices N): GPUs device-index .. "
+                        "device-index+N-1, or N local devices (default: the export's count)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend bos to a text prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -133,11 +133,13 @@ class Engine:
     """
 
     def __init__(self, export_dir: str | Path, device: str = "local-task", device_index: int = 0,
-                 *, check_export_id: bool = True, batch_invariant: bool = True):
+                 *, check_export_id: bool = True, batch_invariant: bool = True, devices: int | None = None):
         """Load ``export_dir`` (config.json, .irpa, the vmfb for ``device``) and allocate the state.
 
         ``device`` is an IREE driver: "local-task" / "local-sync" (the llvm-cpu vmfb), "cuda"
-        (cuda), "hip" (gfx942); ``device_index`` picks the GPU. With ``check_export_id`` the vmfb's
+        (cuda), "hip" (gfx942); ``device_index`` picks the GPU. ``devices``: how many devices the
+        export drives (default: its config.json's count; a multi-device export opens GPUs
+        device_index, device_index + 1, ... or that many local devices). With ``check_export_id`` the vmfb's
         baked-in export id must match config.json's. ``batch_invariant`` (default) prefills every
         request through one function, the smallest exported prefill batch size (one request per
         call when that is 1), so a request's logits are bitwise the same whatever else is running:
@@ -154,8 +156,12 @@ class Engine:
         self.vmfb_path = cfg.vmfb_path(self.target)
         self.parameters_paths = cfg.parameters_for(self.target)
         group = next(g for g in cfg.weight_groups() if self.target in g.targets)
+        n_dev = cfg.n_devices if devices is None else devices
+        if n_dev != cfg.n_devices:
+            raise EngineError(f"{cfg.directory} was exported for {cfg.n_devices} device(s) "
+                              f"(dsv4 export --devices {cfg.n_devices}), not {n_dev}")
         self.module = IreeModule(self.vmfb_path, self.parameters_paths, driver=device, device_index=device_index,
-                                 expect=group.specs)
+                                 expect=group.specs, devices=n_dev)
         names = set(self.module.function_names)
         missing = [f for f in cfg.functions if f not in names]
         if missing:

@@ -31,6 +31,9 @@ __all__ = ["IreeModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
 
 TASK_WORKER_STACK_SIZE = 1 << 20
 _flags_parsed = False
+# extra local devices of multi-device modules, kept for the process's life like iree.runtime's own
+# device cache (freed at interpreter exit in arbitrary order, a context could outlive its devices)
+_LOCAL_DEVICES: dict[tuple[str, int], Any] = {}
 
 
 def ensure_runtime_flags(stack_size: int = TASK_WORKER_STACK_SIZE) -> None:
@@ -50,11 +53,15 @@ class IreeModule:
     ``m("decode_bs1", tokens, ..., *state)`` returns numpy arrays (a tuple for several results);
     device-array arguments are used in place. `function(name)` gives the raw invoker (device-array
     results, no host copy). Raises EngineError when the device is unavailable and ArtifactError
-    when a file is missing, truncated or not loadable."""
+    when a file is missing, truncated or not loadable.
+
+    ``devices`` > 1 opens a multi-device module (`dsv4 export --devices N`): N devices of the driver
+    in one HAL module, in order (GPUs device_index, device_index + 1, ...; local drivers: N
+    separate local devices of this process); arguments, results and state live on the first."""
 
     def __init__(self, vmfb: str | Path, parameters: str | Path | Sequence[str | Path] | None = None, *,
                  driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE,
-                 expect: Sequence[TensorSpec] | None = None):
+                 expect: Sequence[TensorSpec] | None = None, devices: int = 1):
         import iree.runtime as rt
 
         self._rt = rt
@@ -66,15 +73,14 @@ class IreeModule:
             check_irpa(p)
         if driver.startswith("local"):
             ensure_runtime_flags()
-        uri = driver if driver.startswith("local") else f"{driver}://{int(device_index)}"
-        try:
-            self.device = rt.get_device(uri)
-            self.config = rt.Config(device=self.device)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise EngineError(f"device {uri!r} is not available: {e}") from None
+        self.devices = _open_devices(rt, driver, int(device_index), int(devices))
+        self.device = self.devices[0]
+        self.config = rt.Config(device=self.device)
         inst = self.config.vm_instance
         try:
-            modules = [rt.create_hal_module(inst, self.device)]
+            hal = (rt.create_hal_module(inst, self.device) if len(self.devices) == 1
+                   else rt.create_hal_module(inst, devices=self.devices))
+            modules = [hal]
             if paths:
                 self.param_index = rt.ParameterIndex()
                 for p in paths:
@@ -143,6 +149,27 @@ class IreeModule:
         if a.size == 1:
             return str(a.reshape(()).item())
         return ",".join(str(int(x)) for x in a.reshape(-1))
+
+
+def _open_devices(rt: Any, driver: str, index: int, n: int) -> list[Any]:
+    """The n devices a module runs on; EngineError naming the one that is not available."""
+    if n < 1:
+        raise EngineError(f"devices must be >= 1, got {n}")
+    out = []
+    for i in range(n):
+        uri = driver if driver.startswith("local") else f"{driver}://{index + i}"
+        try:
+            if driver.startswith("local") and i > 0:
+                key = (driver, i)
+                if key not in _LOCAL_DEVICES:
+                    _LOCAL_DEVICES[key] = rt.get_driver(driver).create_default_device()
+                out.append(_LOCAL_DEVICES[key])
+            else:
+                out.append(rt.get_device(uri))
+        except (RuntimeError, ValueError, OSError) as e:
+            what = f"device {uri!r}" + (f" (device {i + 1} of {n})" if n > 1 else "")
+            raise EngineError(f"{what} is not available: {e}") from None
+    return out
 
 
 def _check_parameters(index: Any, expect: Sequence[TensorSpec], paths: Sequence[Path]) -> None:

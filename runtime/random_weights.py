@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .artifact import FP8_DTYPES, ExportConfig, TensorSpec
+from .artifact import FP8_DTYPES, ExportConfig, TensorSpec, shard_tensors, whole_inventory
 from .errors import ArtifactError
 from .weights import Tensor, checked, plan_shards, storage_dtype, write_shards
 
@@ -254,7 +254,10 @@ def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force:
         total = sum(s.nbytes for s in g.specs)
         log(f"random weights (seed {seed}) for {', '.join(g.targets)}: {len(g.specs)} tensors, {total / 1e9:.2f} GB "
             f"-> {len(g.files)} file(s){' (' + g.fp8_dtype + ')' if g.fp8_dtype else ''}")
-        write_shards(d, checked(random_tensors(g.specs, cfg.model, seed), g.specs), shard_bytes=cfg.shard_bytes,
+        # a multi-device export gets the whole tensors cut per device: the same weights as one device's
+        whole = whole_inventory(g.specs, cfg.n_devices)
+        source = shard_tensors(random_tensors(whole, cfg.model, seed), cfg.n_devices)
+        write_shards(d, checked(source, g.specs), shard_bytes=cfg.shard_bytes,
                      names=[f.name for f in g.files], progress=log, total_bytes=total)
         written += g.files
     return written

@@ -42,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _fail("serve", f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     try:
-        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index)
+        eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
+                     devices=args.devices)
     except EngineError as e:
         return _fail("serve", str(e))
     name = args.served_model_name or Path(args.export_dir).resolve().name
@@ -94,6 +95,8 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default="local-task", choices=["local-task", "local-sync", "cuda", "hip"])
     s.add_argument("--device-index", type=int, default=0)
+    s.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="devices of a multi-device export (default: the export's count)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond that the answer is 503 with Retry-After")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSV4_API_KEY)")

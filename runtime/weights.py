@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import DTYPES, TensorSpec, check_irpa
+from .artifact import DTYPES, TensorSpec, check_irpa, whole_key
 from .errors import ArtifactError
 
-__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "planned_names", "write_shards", "Weights", "open_weights",
-           "check_weights", "checked", "storage_dtype"]
+__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "planned_names", "write_shards", "Weights", "WholeWeights",
+           "open_weights", "check_weights", "checked", "storage_dtype"]
 
 SHARD_BYTES = 2 << 30  # default shard size: a few files for Flash's ~150 GB, each mmap-friendly
 Tensor = tuple[str, np.ndarray, str]  # (key, array in the dtype's storage type, dtype name)
@@ -256,6 +256,43 @@ class Weights(Mapping[str, np.ndarray]):
         if self.nbytes(key) != spec.nbytes:
             raise ArtifactError(f"{where}: {key} has {self.nbytes(key)} bytes, {dtype} {list(shape)} needs {spec.nbytes}")
         return self[key].view(storage_dtype(dtype)).reshape(shape)
+
+
+class WholeWeights(Mapping[str, np.ndarray]):
+    """The weights of an n-device export as whole tensors (the per-device shards of a cut tensor,
+    artifact.SHARD_SPLITS, concatenated along dim 0 on read); the same calls as `Weights`."""
+
+    def __init__(self, weights: Weights, n: int):
+        self.weights = weights
+        self._parts: dict[str, list[str]] = {}
+        for key in weights:
+            wk = whole_key(key) if n > 1 else None
+            self._parts.setdefault(key if wk is None else wk[0], []).append(key)
+        for whole, parts in self._parts.items():
+            parts.sort(key=lambda k: (whole_key(k) or (k, 0))[1])
+            if len(parts) != (n if whole_key(parts[0]) else 1):
+                raise ArtifactError(f"{whole}: {len(parts)} of its {n} per-device parts are in the weight files")
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        parts = self._parts[key]
+        return self.weights[parts[0]] if len(parts) == 1 else np.concatenate([self.weights[k] for k in parts])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def nbytes(self, key: str) -> int:
+        return sum(self.weights.nbytes(k) for k in self._parts[key])
+
+    def file_of(self, key: str) -> Path:
+        return self.weights.file_of(self._parts[key][0])
+
+    def spec(self, key: str) -> tuple[tuple[int, ...], str] | None:
+        parts = self._parts[key]
+        rec = self.weights.spec(parts[0])
+        return None if rec is None else ((rec[0][0] * len(parts), *rec[0][1:]), rec[1])
 
 
 def open_weights(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Weights:

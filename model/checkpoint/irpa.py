@@ -41,40 +41,44 @@ def param_inventory(model: nn.Module, prefix: str = PARAM_PREFIX) -> list[Tensor
     return [TensorSpec(prefix + n, tuple(t.shape), dtype_name(t.dtype)) for n, t in model.state_dict().items()]
 
 
-def _weight_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], str]:
+def _weight_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], str, int]:
     """The .irpa files to read: given, or an export directory's e4m3fn flavour (any flavour when it
-    has only one), and a name for messages."""
+    has only one), a name for messages, and the export's device count (its weights cut per device)."""
     from dsv4.runtime.weights import open_weights
 
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         d = Path(source)
-        groups = ExportConfig.load(d).weight_groups()
+        exp = ExportConfig.load(d)
+        groups = exp.weight_groups()
 
         def fnuz(files: Sequence[Path]) -> bool:
             w = open_weights(files)
             return any((w.spec(k) or ((), ""))[1] == "float8_e4m3fnuz" for k in w)
 
         files = next((g.files for g in groups if not fnuz(g.files)), groups[0].files)
-        return list(files), str(d)
+        return list(files), str(d), exp.n_devices
     paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
-    return paths, ", ".join(str(p) for p in paths)
+    return paths, ", ".join(str(p) for p in paths), 1
 
 
 @torch.no_grad()
 def load_irpa(model: nn.Module, source: str | os.PathLike | Sequence[str | os.PathLike], *,
               prefix: str = PARAM_PREFIX) -> nn.Module:
     """Fill every parameter and persistent buffer of `model` from .irpa files: an export directory
-    (its e4m3fn weights, or its only flavour), one file or a list of shards. Keys are `prefix` +
+    (its e4m3fn weights, or its only flavour; a multi-device export's per-device parts joined
+    into whole tensors), one file or a list of shards. Keys are `prefix` +
     state-dict names. Every tensor's shape, dtype and byte size is checked against the model first,
     and missing or extra tensors are reported, all in one CheckpointError before anything is copied.
     e4m3fnuz weights are read into an e4m3fn model by formats.fp8_fnuz_to_fn (same values)."""
     from dsv4.runtime.random_weights import weight_of_scale
-    from dsv4.runtime.weights import open_weights
+    from dsv4.runtime.weights import WholeWeights, open_weights
 
     from ..formats import fp8_fnuz_to_fn
 
-    paths, where = _weight_files(source)
+    paths, where, n_devices = _weight_files(source)
     w = open_weights(paths)
+    if n_devices > 1:
+        w = WholeWeights(w, n_devices)
     targets = model.state_dict(keep_vars=True)
     problems, convert = [], set()
     for name, t in targets.items():
@@ -130,11 +134,11 @@ def load_export_model(export_dir: str | os.PathLike, device: str = "cpu") -> tup
     exp = ExportConfig.load(d)
     cfg = ModelConfig.from_dict(exp.model)
     dtype = getattr(torch, str(exp.raw.get("activation_dtype", "bfloat16")).removeprefix("torch."))
-    paths, _ = _weight_files(d)
+    paths, _, _ = _weight_files(d)
     w = open_weights(paths)
     quantized = any((w.spec(k) or ((), ""))[1] in (*FP8_DTYPES, "uint8") for k in w)
     del w
     with no_param_init():  # every tensor is about to be loaded
         model = Transformer(cfg, dtype=dtype, quantized=quantized)
-    load_irpa(model, paths)
+    load_irpa(model, d)
     return model.eval().to(device), cfg, dtype
