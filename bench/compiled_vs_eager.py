@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg_json.raw["activation_dtype"]]
     quantized = any(dt.startswith("float8") for _, _, dt in cfg_json.raw["weights"]["tensors"])
     model = empty_model(cfg, act, quantized=quantized)
-    load_irpa(model, eng.parameters_paths)
+    load_irpa(model, eng.parameters_paths, mapped=True)  # no host copy: the pages the compiled module maps
     model = model.to(args.eager_device).eval()
     state = new_state(cfg, cfg_json.n_slots, act, device=args.eager_device)
     print(f"eager model loaded from {len(eng.parameters_paths)} weight file(s) in {time.perf_counter() - t0:.1f} s "
