@@ -91,9 +91,11 @@ class ExportResult:
 def score_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """logits [B,T,V] (all positions), tokens [B,T] -> [B,T]: log p(tokens[t+1]) for t < lengths-1, else 0."""
     lp = logits.float().log_softmax(-1)
-    nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
-    got = lp.gather(-1, nxt[..., None])[..., 0]
     t = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    # the next token by a gather, not tokens[:, 1:]: a T-1 slice makes torch.export guard T >= 3
+    # (size-1 contiguity), which an export whose chunks start at 2 tokens (Flash --layers 2) violates
+    nxt = tokens.gather(1, ((t + 1) % tokens.shape[1]).expand(tokens.shape[0], -1))
+    got = lp.gather(-1, nxt[..., None])[..., 0]
     return torch.where(t < (lengths - 1)[:, None], got, torch.zeros((), dtype=got.dtype))
 
 

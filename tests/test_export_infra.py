@@ -367,3 +367,28 @@ def test_export_package_import_has_no_side_effects() -> None:
         "assert not hasattr(ir.IntegerType, 'isinstance') or not getattr(ir.IntegerType.isinstance, '_dsv4_compat', False)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_score_logprobs_traces_from_two_tokens() -> None:
+    """score_bs1 traces with chunks from 2 tokens (Flash --layers 2 exports T in [2, 512]; the
+    earlier tokens[:, 1:] made torch.export guard T >= 3 and the whole export fail) and gives
+    log p(tokens[t+1]) at t < lengths - 1, else 0, per the formula."""
+    from dsv4.export.exporter import score_logprobs
+
+    class Score(nn.Module):
+        def forward(self, logits, tokens, lengths):
+            return score_logprobs(logits, tokens, lengths)
+
+    T = torch.export.Dim("T", min=2, max=64)
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 5, 11, generator=g), torch.randint(0, 11, (2, 5), generator=g), torch.tensor([5, 3]))
+    ep = torch.export.export(Score(), args, dynamic_shapes=({1: T}, {1: T}, None), strict=False)
+    for n in (2, 5):
+        logits, tokens, lengths = torch.randn(2, n, 11, generator=g), torch.randint(0, 11, (2, n), generator=g), torch.tensor([n, 1])
+        got = ep.module()(logits, tokens, lengths)
+        lp = logits.double().log_softmax(-1)
+        want = torch.zeros(2, n, dtype=torch.float64)
+        for b in range(2):
+            for t in range(int(lengths[b]) - 1):
+                want[b, t] = lp[b, t, tokens[b, t + 1]]
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)

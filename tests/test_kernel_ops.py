@@ -22,7 +22,8 @@ from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear, mxfp4_linear_stacked
+from dsv4.model.kernels.linear import (fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear,
+                                       mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
@@ -92,6 +93,18 @@ class StackedLinear(nn.Module):
         return self.fn(x, self.weight, self.scale)
 
 
+class GatheredLinear(nn.Module):
+    """mxfp4_linear_gathered: row block g times expert sel[g] of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed = nn.Parameter(torch.randint(0, 256, (4, 64, 64), generator=G, dtype=torch.uint8), requires_grad=False)
+        self.scale = nn.Parameter(torch.randint(120, 130, (4, 64, 4), generator=G, dtype=torch.uint8), requires_grad=False)
+
+    def forward(self, x, sel):
+        return mxfp4_linear_gathered(x, self.packed, self.scale, sel)
+
+
 class Qdq(nn.Module):
     def __init__(self, fn, *extra):
         super().__init__()
@@ -126,6 +139,7 @@ def _cases() -> dict:
         "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),
         "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
+        "mxfp4_linear_gathered": (GatheredLinear, (_r(T, 3, 128), torch.randint(0, 4, (T,), generator=G)), (0, 0)),
         "fp8_qdq": (lambda: Qdq(fp8_qdq, 64), (_r(2, T, 4, 128) * 10,), (1,)),
         "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
         "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),

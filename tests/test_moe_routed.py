@@ -359,3 +359,59 @@ def test_two_stacked_routed_layers_compiled_llvm_cpu(tmp_path, fmt):
         x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
         got = torch.from_numpy(np.asarray(ctx.modules.module[name](x.numpy(), w.numpy(), i.numpy()).to_host()))
         _close(got, two_layers(moe_experts, x, w, i, p), (name, n))
+
+
+@pytest.mark.slow  # iree-compile to flow, twice (seconds)
+def test_prefill_moe_never_copies_expert_weights(tmp_path):
+    """The routed MoE over a dynamic token count, compiled for llvm-cpu down to its dispatches: no
+    dispatch writes a per-block copy of an expert's weight (a result with a dynamic dim and an
+    expert's inter x d elements per row). With the experts gathered before the stacked kernel
+    (`mxfp4_linear_gathered=reference`), IREE fuses gather + decode into one dispatch writing an f32
+    copy per block: 27.6 GB for a 100-token Flash prefill, which llvm-cpu could not allocate (the
+    check finds that one, so it can fail)."""
+    import re
+    import subprocess
+
+    from iree.compiler.tools.binaries import find_tool
+    from iree.turbine import aot
+
+    import dsv4.export  # noqa: F401  (compat shim)
+    from dsv4.export.model_kernels import use_kernels
+
+    g = torch.Generator().manual_seed(5)
+    E, d, inter, k = 8, 128, 256, 2
+    ws = [expert_weights("fp4", E, o, i, g)[:2] for o, i in ((inter, d), (d, inter), (inter, d))]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for n, t in zip(("w1", "s1", "w2", "s2", "w3", "s3"), [t for pair in ws for t in pair]):
+                self.register_buffer(n, t)
+
+        def forward(self, x, w, i):
+            return moe_experts_routed(x, w, i, self.w1, self.s1, self.w2, self.s2, self.w3, self.s3, 10.0)
+
+    def copies(choices: dict) -> list[str]:
+        fxb = aot.FxProgramsBuilder(M())
+        N = torch.export.Dim("N", min=2, max=256)
+        args = (torch.randn(8, d), torch.rand(8, k), torch.randint(0, E, (8, k)))
+        with torch.no_grad(), use_kernels(choices):
+            fxb.export_program(lambda mm, x, w, i: mm(x, w, i), name="dyn", args=args,
+                               dynamic_shapes=({0: N}, {0: N}, {0: N}), strict=False)
+        mlir, flow = tmp_path / "moe.mlir", tmp_path / "moe.flow.mlir"
+        aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+        run = subprocess.run([find_tool("iree-compile"), str(mlir), "--iree-hal-target-device=local",
+                              "--iree-hal-local-target-device-backends=llvm-cpu", "--compile-to=flow",
+                              "-o", str(flow)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        found = []
+        for line in flow.read_text().splitlines():
+            if "flow.dispatch @" not in line:
+                continue
+            for dims in re.findall(r"-> \(?tensor<\?x([\dx]+)x[if]\d+>", line):
+                if math.prod(int(v) for v in dims.split("x")) >= inter * d:
+                    found.append(line.strip()[:160])
+        return found
+
+    assert copies({}) == []
+    assert copies({"mxfp4_linear_gathered": "reference"}), "the check no longer sees the gathered copy"

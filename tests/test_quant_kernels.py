@@ -40,6 +40,7 @@ from dsv4.model.kernels.linear import (
     fp8_block_linear,
     fp8_block_linear_stacked,
     mxfp4_linear,
+    mxfp4_linear_gathered,
     mxfp4_linear_stacked,
 )
 from dsv4.model.kernels.mhc import hc_sinkhorn
@@ -176,16 +177,21 @@ def _linear_cases() -> dict:
                         x(3, 5, 256)),
         "mxfp4_stacked": (_Fn(mxfp4_linear_stacked, torch.randint(0, 256, (3, 64, 64), generator=G, dtype=torch.uint8),
                               e8(3, 64, 4)), x(3, 5, 128).float()),
-        # 20 rows (>= one 16-row matrix-core tile: the auto GEMM takes the FP8 x FP8 form), f32 in and out
+        # 20 rows (more than one 16-row matrix-core tile: kernel_fp8 pads to 32), f32 in and out
         "fp8_fnuz_m20": (_Fn(fp8_block_linear, w_nz, s_nz), x(4, 5, 384).float()),
         "fp8_stacked_m20": (_Fn(fp8_block_linear_stacked, torch.stack([_fp8_weight(128, 256) for _ in range(2)]),
                                 e8(2, 1, 2)), x(2, 20, 256).float()),
+        # 4 experts, blocks naming 2, 0, 2 (a repeat, two never read) as the routed MoE's sel does
+        "mxfp4_gathered": (_Fn(mxfp4_linear_gathered, torch.randint(0, 256, (4, 64, 64), generator=G, dtype=torch.uint8),
+                               e8(4, 64, 4), extra=(torch.tensor([2, 0, 2]),)), x(3, 5, 128)),
     }
 
 
 def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, bound): the exact product of the eager-quantized operands and an fp32 summation bound."""
     w, s = mod.params
+    if mod.extra:  # gathered: block g reads expert sel[g]
+        w, s = w[mod.extra[0]], s[mod.extra[0]]
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         wf = dequant_fp8_block(w, s)
     else:
@@ -285,6 +291,7 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
         "hadamard": (_Fn(quant_sim.hadamard), x3[..., :128]),
         "hc_sinkhorn": (_Fn(hc_sinkhorn, extra=(20, 1e-6)), _r(2, 5, 4, 4).softmax(-1)),
         "mxfp4_stacked": lin["mxfp4_stacked"],
+        "mxfp4_gathered": lin["mxfp4_gathered"],
     }
     cuda = _export({**common, "fp8": lin["fp8"], "fp8_stacked": lin["fp8_stacked"]}, tmp_path / "cuda.mlir")
     res = compile_mlir(cuda, "cuda", tmp_path / "cuda.vmfb")
@@ -370,7 +377,7 @@ def test_quantized_decode_graph_holds_kernels_not_their_math():
     csa = sum(cfg.ratio(i) == 4 for i in range(n_layers))
     # wq_a, wq_b, wkv, wo_b, the shared expert's 3, and each CSA layer's indexer wq_b
     assert kernels["dsv4k.fp8_block_linear.default"] == 7 * n_layers + csa
-    assert kernels["dsv4k.mxfp4_linear_stacked.default"] == 3 * n_layers
+    assert kernels["dsv4k.mxfp4_linear_gathered.default"] == 3 * n_layers  # routed experts, read in place
     assert kernels["dsv4k.hc_sinkhorn.default"] == 2 * n_layers
     for op in ("fp8_qdq", "fp4_qdq", "hadamard", "radix_threshold"):
         assert kernels[f"dsv4k.{op}.default"] >= 1, op

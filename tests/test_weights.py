@@ -437,6 +437,30 @@ def test_load_irpa_fills_the_model_bit_for_bit_and_runs(random_export: Path) -> 
     assert len(greedy(model, [5, 9, 11, 3], 6)) == 6
 
 
+def test_load_irpa_mapped_views_the_files_without_a_copy(random_export: Path) -> None:
+    """mapped=True: every tensor is a view of the archive's memory map (its data pointer lies inside
+    the mapped entry, so nothing was copied) with the same values as the copying load, and the model
+    gives the same logits."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_irpa
+    from dsv4.model.state import new_state
+
+    copied = load_irpa(_tiny_quantized(), random_export)
+    mapped = load_irpa(_tiny_quantized(), random_export, mapped=True)
+    w = mapped._irpa_mapping  # the model's own open archives
+    sd = copied.state_dict()
+    for name, t in mapped.state_dict().items():
+        view = w["model." + name]
+        assert t.data_ptr() == view.ctypes.data, name  # the map itself, not a copy of it
+        assert torch.equal(t.view(torch.uint8), sd[name].view(torch.uint8)), name
+    args = (torch.tensor([[5, 9, 11, 3]]), torch.tensor([0]), torch.tensor([4]), torch.tensor([0]))
+    with torch.no_grad():
+        a = copied(*args, new_state(copied.cfg, 1, torch.bfloat16))
+        b = mapped(*args, new_state(mapped.cfg, 1, torch.bfloat16))
+    assert torch.equal(a, b)
+
+
 def test_load_irpa_reads_the_fnuz_flavour_as_the_same_values(random_export: Path) -> None:
     """The e4m3fnuz files (gfx942's) load into the e4m3fn model through formats.fp8_fnuz_to_fn and
     give the very same tensors as the e4m3fn files."""

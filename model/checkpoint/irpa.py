@@ -63,13 +63,18 @@ def _weight_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tu
 
 @torch.no_grad()
 def load_irpa(model: nn.Module, source: str | os.PathLike | Sequence[str | os.PathLike], *,
-              prefix: str = PARAM_PREFIX) -> nn.Module:
+              prefix: str = PARAM_PREFIX, mapped: bool = False) -> nn.Module:
     """Fill every parameter and persistent buffer of `model` from .irpa files: an export directory
     (its e4m3fn weights, or its only flavour; a multi-device export's per-device parts joined
     into whole tensors), one file or a list of shards. Keys are `prefix` +
     state-dict names. Every tensor's shape, dtype and byte size is checked against the model first,
     and missing or extra tensors are reported, all in one CheckpointError before anything is copied.
-    e4m3fnuz weights are read into an e4m3fn model by formats.fp8_fnuz_to_fn (same values)."""
+    e4m3fnuz weights are read into an e4m3fn model by formats.fp8_fnuz_to_fn (same values).
+
+    `mapped=True` copies nothing: each tensor becomes a read-only view of the memory-mapped file
+    (the model keeps the mapping alive), so a Flash-sized eager model costs page cache, not memory,
+    and shares its pages with an IREE module reading the same files. Such a model must not be
+    written to; converted (fnuz) tensors are still copied."""
     from dsv4.runtime.random_weights import weight_of_scale
     from dsv4.runtime.weights import WholeWeights, open_weights
 
@@ -117,7 +122,12 @@ def load_irpa(model: nn.Module, source: str | os.PathLike | Sequence[str | os.Pa
             t.copy_(wt)
             targets[scale].copy_(sc)
         elif name not in scales:
-            t.copy_(stored(name))
+            if mapped:
+                t.data = stored(name)
+            else:
+                t.copy_(stored(name))
+    if mapped:
+        model._irpa_mapping = w  # the views above point into its memory maps
     return model
 
 

@@ -47,8 +47,9 @@ from ..formats import (
 from . import kernel
 from .qdq import FP8_AMAX_FLOOR, block_qdq
 
-__all__ = ["linear", "stacked_linear", "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked",
-           "mxfp4_linear_stacked", "fp8_act_qdq", "ACT_AMAX_FLOOR"]
+__all__ = ["linear", "stacked_linear", "gathered_linear", "fp8_block_linear", "mxfp4_linear",
+           "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
+           "ACT_AMAX_FLOOR"]
 
 ACT_AMAX_FLOOR = FP8_AMAX_FLOOR  # the reference act_quant's amax floor
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -56,7 +57,7 @@ _F = (torch.float32, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _BYTES = (torch.uint8, torch.int8)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
-_MLIR = "quant.mlir.jinja"  # one template for the four quantized linears (and the qdq kernels)
+_MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qdq kernels)
 # The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_f32" dequantizes
 # the weight into an f32 GEMM (the form before it; also what ragged N/K shapes always get)
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_fp8": {"gemm": "fp8"}}
@@ -175,6 +176,34 @@ def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
     w = dequant_mxfp4(packed, scale)
     return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
+
+
+@kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
+        results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
+        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR, export="kernel")
+def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
+    sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).
+    The kernel reads the selected experts' bytes in place (no gathered or decoded copy of the weights)."""
+    _check_mxfp4(x, packed, scale, "mxfp4_linear_gathered")
+    return mxfp4_linear_stacked(x, packed.index_select(0, sel), scale.index_select(0, sel))
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor:
+    """`stacked_linear(x, weight[sel], scale[sel])`: x [G, M, K], weight [E, O, K(/2)] in any format
+    `linear` takes, sel [G] int64 -> [G, M, O] in x.dtype. Packed MXFP4 (the released experts) goes
+    through `mxfp4_linear_gathered`, which never materializes the selected weights; other formats
+    gather first (FP8 bytes move as uint8: a gather is data movement only)."""
+    if x.dim() != 3 or sel.dim() != 1 or sel.shape[0] != x.shape[0]:
+        raise ValueError(f"gathered_linear: x {tuple(x.shape)} must be [G, M, K] with sel [G], got sel {tuple(sel.shape)}")
+    if weight.dtype in (torch.uint8, torch.int8) and scale is not None and weight.dim() == 3:
+        _check_mxfp4(x, weight, scale, "gathered_linear")
+        return mxfp4_linear_gathered(x, weight, scale, sel)
+    if weight.dtype in FP8_FORMATS:
+        weight = weight.view(torch.uint8).index_select(0, sel).view(weight.dtype)
+    else:
+        weight = weight.index_select(0, sel)
+    return stacked_linear(x, weight, None if scale is None else scale.index_select(0, sel))
 
 
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

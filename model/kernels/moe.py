@@ -15,9 +15,8 @@ from typing import ContextManager
 
 import torch
 
-from ..formats import FP8_FORMATS
 from . import kernel, overrides
-from .linear import stacked_linear
+from .linear import gathered_linear, stacked_linear
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -80,25 +79,17 @@ def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.T
     return torch.where(first, (weights[:, None, :] * same).sum(-1), torch.zeros((), dtype=weights.dtype))
 
 
-def _take(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
-    """t[sel] along the expert dim; FP8 bytes move as uint8 (a gather is data movement only)."""
-    if t is None:
-        return None
-    if t.dtype in FP8_FORMATS:
-        return t.view(torch.uint8).index_select(0, sel).view(t.dtype)
-    return t.index_select(0, sel)
-
-
 def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, w2, s2, w3, s3,
                  limit: float) -> torch.Tensor:
     """xs [G,M,d] rows, ws [G,M] routing weights, sel [G] the expert of each group -> fp32 [G,M,d].
 
     Same numerics per row as the reference (stacked_linear per expert, fp32 clamped SwiGLU, weight
-    applied before w2, w2's input in the activation dtype); only sel's weights are read/dequantized."""
-    g = stacked_linear(xs, _take(w1, sel), _take(s1, sel))
-    u = stacked_linear(xs, _take(w3, sel), _take(s3, sel))
+    applied before w2, w2's input in the activation dtype); only sel's weights are read/dequantized
+    (MXFP4 in place, `gathered_linear`)."""
+    g = gathered_linear(xs, w1, s1, sel)
+    u = gathered_linear(xs, w3, s3, sel)
     a = swiglu(g, u, limit) * ws[..., None]
-    return stacked_linear(a.to(xs.dtype), _take(w2, sel), _take(s2, sel)).float()
+    return gathered_linear(a.to(xs.dtype), w2, s2, sel).float()
 
 
 def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:

@@ -1,0 +1,195 @@
+"""Compiled vs eager, module by module: where does an export's graph first leave eager?
+
+    python bench/bisect_modules.py OUT [--tokens 2] [--target llvm-cpu] [--eager-moe routed] [--json FILE]
+
+OUT is an export with weights (e.g. `dsv4 export --preset flash --layers 2 --dtype fp32 --no-weights`
++ `dsv4 weights random`). Traces one prefill of --tokens tokens from an empty state (the graph the
+exporter traces, kernels as export picks them), returning the output of every module of interest
+(each layer's norms, attention linears, attention, MoE gate / routed experts / shared expert, block,
+and the logits), compiles it for --target, runs it on the export's own .irpa and the eager model on
+the same (memory-mapped) weights, and prints each output's max |diff| relative to its max |value|,
+in execution order. With fp32 activations a correct graph stays near fp32 rounding (~1e-6) until
+a quantization step (FP8 activation / KV roundings) lands on the other side of a rounding
+boundary; the first module far above that, with its input still close, is where to look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# module names (relative to the Transformer) whose outputs are compared, per layer ("X:in": X's input)
+_PER_LAYER = ("hc_attn", "attn_norm", "attn.wq_a", "attn.q_norm", "attn.wq_b", "attn.wkv", "attn.kv_norm",
+              "attn.wo_b:in", "attn.wo_b", "attn", "ffn_norm", "ffn.gate", "ffn.experts", "ffn.shared_experts",
+              "ffn", "")
+
+
+# outputs that FP8 linears take as input (and quantize): attn_norm -> wq_a, wkv; q_norm -> wq_b;
+# ffn_norm -> the shared and routed experts; wo_b's input (the attention after wo_a)
+_QUANTIZED_INPUTS = ("attn_norm", "q_norm", "ffn_norm", "wo_b:in")
+
+
+def _flat(x):
+    """Tensors of a module output (a tensor or a tuple of them)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="export directory with weights")
+    ap.add_argument("--tokens", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default="llvm-cpu")
+    ap.add_argument("--eager-moe", choices=("reference", "routed"), default="routed")
+    ap.add_argument("--work", default=None, help="folder for the probe MLIR/vmfb (default: OUT/bisect)")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+
+    import torch
+    from iree.turbine import aot
+
+    import dsv4.export  # noqa: F401  (compat shim)
+    from dsv4.export.compile import compile_mlir, resolve_target
+    from dsv4.export.exporter import _no_stack_traces, _trace
+    from dsv4.export.model_kernels import use_kernels
+    from dsv4.model.checkpoint import load_irpa
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.kernels.linear import fp8_act_qdq
+    from dsv4.model.kernels.moe import routed_moe
+    from dsv4.model.model import empty_model
+    from dsv4.model.state import state_spec
+    from dsv4.runtime.artifact import PARAM_SCOPE, ExportConfig
+    from dsv4.runtime.module import IreeModule
+
+    exp = ExportConfig.load(args.out)
+    cfg = ModelConfig.from_dict(exp.model)
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[exp.raw["activation_dtype"]]
+    quantized = any(dt.startswith("float8") for _, _, dt in exp.raw["weights"]["tensors"])
+    tgt = resolve_target(args.target)
+    files = exp.parameters_for(tgt.name)
+    work = Path(args.work or Path(args.out) / "bisect")
+    work.mkdir(parents=True, exist_ok=True)
+
+    model = empty_model(cfg, act, quantized=quantized)
+    names = []
+    for i in range(cfg.n_layers):
+        for sub in _PER_LAYER:
+            n = f"layers.{i}" + (f".{sub}" if sub else "")
+            if sub == "hc_attn" or n.split(":")[0] in dict(model.named_modules()):
+                names.append(n)
+    names.append("norm")
+    state_names = list(state_spec(cfg, exp.n_slots, act))
+
+    class Probe(torch.nn.Module):
+        """prefill from slot 0, position 0; returns the logits and every hooked module's output."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+        def step(self, tokens, start_pos, lengths, slots, state):
+            got: list = []
+            hooks = []
+            mods = dict(self.model.named_modules())
+            for n in names:
+                if n.endswith("hc_attn") or n.endswith(":in"):  # a module's input: the block's streams
+                    m = mods[n.rsplit(".", 1)[0]] if n.endswith("hc_attn") else mods[n[:-3]]
+                    hooks.append(m.register_forward_pre_hook(lambda mod, a: got.extend(_flat(a[0]))))
+                else:
+                    hooks.append(mods[n].register_forward_hook(lambda mod, a, out: got.extend(_flat(out))))
+            try:
+                logits = self.model(tokens, start_pos, lengths, slots, dict(zip(state_names, state)))
+            finally:
+                for h in hooks:
+                    h.remove()
+            return (logits, *[t.float() if t.is_floating_point() else t for t in got])
+
+    def zeros_state():
+        return [torch.zeros(s, dtype=dt) for s, dt in state_spec(cfg, exp.n_slots, act).values()]
+
+    T = args.tokens
+    ids = torch.from_numpy(np.random.default_rng(args.seed).integers(2, cfg.vocab_size, size=(1, T)))
+    z = torch.zeros(1, dtype=torch.int64)
+    call = (ids, z, z + T, z)
+
+    # --- eager, on the mapped weights
+    t0 = time.perf_counter()
+    load_irpa(model, files, mapped=True)
+    model.eval()
+    probe = Probe(model)
+    from contextlib import nullcontext
+
+    with torch.no_grad(), routed_moe() if args.eager_moe == "routed" else nullcontext():
+        want = [t.float().numpy() if t.is_floating_point() else t.numpy() for t in probe.step(*call, zeros_state())]
+    print(f"eager: {len(want)} outputs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    # --- compiled: the same probe traced as export traces (parameters by name, kernels by default)
+    t0 = time.perf_counter()
+    tmodel = empty_model(cfg, act, quantized=quantized)
+    tprobe = Probe(tmodel).eval()
+    aot.externalize_module_parameters(tprobe, external_scope=PARAM_SCOPE)
+    fxb = aot.FxProgramsBuilder(tprobe)
+
+    def fn(m, tokens, start_pos, lengths, slots, state):
+        return Probe.step(m, tokens, start_pos, lengths, slots, state)
+
+    with torch.no_grad(), use_kernels({}), _no_stack_traces():
+        _trace(fxb, "probe", fn, (*call, zeros_state()), None)
+    mlir = work / "probe.mlir"
+    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+    vmfb = compile_mlir(mlir, tgt, work / f"probe.{tgt.name}.vmfb").path
+    print(f"compiled the probe in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    mod = IreeModule(vmfb, files, driver=tgt.driver)
+    state = [mod.zeros(s) for s in exp.state]
+    t0 = time.perf_counter()
+    got = mod("probe", *[a.numpy() for a in call], *state)
+    print(f"compiled probe ran in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    np.savez(work / "outputs.npz", **{f"got{j}": np.asarray(g) for j, g in enumerate(got)},
+             **{f"want{j}": w for j, w in enumerate(want)})
+
+    # labels in hook order (= execution order); the gate returns (weights, indices)
+    expanded = ["logits"]
+    for n in names:
+        expanded += [f"{n}.weights", f"{n}.indices"] if n.endswith("ffn.gate") else [n]
+    if len(expanded) != len(want):
+        raise SystemExit(f"{len(want)} outputs for {len(expanded)} labels: a hooked module ran more or less "
+                         "than once")
+    rows = []
+    order = list(range(1, len(want))) + [0]  # execution order, logits last
+    for j in order:
+        g, w = np.asarray(got[j]), want[j]
+        if w.dtype.kind == "f":
+            w = w.astype(np.float64)
+        if w.dtype.kind in "iu":
+            diff = float((g.astype(np.int64) != w.astype(np.int64)).mean())
+            rows.append({"module": expanded[j], "shape": list(w.shape), "index_mismatch": diff})
+            print(f"{expanded[j]:32s} {str(list(w.shape)):22s} index mismatch {diff:.3f}")
+            continue
+        rel = float(np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30))
+        row = {"module": expanded[j], "shape": list(w.shape), "rel_err": rel}
+        note = ""
+        if expanded[j].rsplit(".", 1)[-1] in _QUANTIZED_INPUTS:
+            # the FP8 linears after it quantize this activation per 128-block to e4m3: count the
+            # elements whose e4m3 value differs between the two sides (a step is 1/16..1/8 of it)
+            qg, qw = (fp8_act_qdq(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))) for a in (g, w))
+            row["e4m3_flips"] = int((qg != qw).sum())
+            note = f"   e4m3 flips {row['e4m3_flips']} of {qw.numel()}"
+        rows.append(row)
+        print(f"{expanded[j]:32s} {str(list(w.shape)):22s} rel err {rel:.2e}{note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"export": str(args.out), "tokens": T, "target": tgt.label,
+                                               "eager_moe": args.eager_moe, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
