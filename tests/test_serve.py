@@ -50,7 +50,7 @@ KEY = "test-key-123"
 MODEL = "dsv4-small"
 SLOTS = 4
 MAX_QUEUE = 12
-MAX_SEQ_LEN = 128
+MAX_SEQ_LEN = 512  # long enough that max_seq_len - 16 greedy tokens outlast the short timeouts below (~2.5 ms/token here)
 EXPORT_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(4,), n_slots=SLOTS, max_chunk=64)
 PROMPTS = ["The list data type has some more methods.", "Here are all of the methods of list objects:",
            "A function definition", "The for statement in Python", "Strings can be concatenated",
@@ -464,7 +464,7 @@ def test_hangup_frees_the_slot(server, client) -> None:
                 if seen == 2:
                     break
     with pytest.raises(httpx.ReadTimeout):  # not streamed: give up while it runs
-        server.post("/v1/completions", body, timeout=0.5)
+        server.post("/v1/completions", body, timeout=0.2)
     assert _healthy_and_idle(server), "a hung-up request still holds a slot"
     after = server.metrics()
     assert after['vllm:request_success_total{finished_reason="abort"}'] \
@@ -601,7 +601,7 @@ def test_token_logprobs_against_a_float64_log_softmax() -> None:
 
 
 def test_sigterm_past_the_drain_timeout_cancels_and_exits_cleanly(serve_export, tmp_path) -> None:
-    s = Server(serve_export, tmp_path / "server.log", "--drain-timeout", "0.3")
+    s = Server(serve_export, tmp_path / "server.log", "--drain-timeout", "0.1")
     n = s.cfg["max_seq_len"] - 16
     body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True}
