@@ -16,12 +16,14 @@ of flags; the choices are measured in ``docs/export-notes.md`` and ``shared/docs
   with the runtime flag ``--task_worker_stack_size=1048576`` (``dsv4.runtime.module``).
 * ``cuda``: ``sm_89`` PTX (3.13 cannot target ``sm_90``: "missing GPU target"); the driver JITs it
   on Hopper. Override with ``cuda:sm_80``.
-* both GPU targets pass ``--iree-codegen-llvmgpu-use-reduction-vector-distribution=false``: the
-  routed MoE's ``mxfp4_linear_gathered`` kernel is a reduction that reads the selected expert's bytes
-  with ``tensor.extract``, which the ReductionVectorDistribution pipeline fails to distribute ("failed
-  to distribute"); with the flag, reductions take IREE's warp-reduction pipeline. The alternative, a
-  separate gather, makes IREE write an f32 copy of every routed block's expert weight (27 GB per
-  Flash layer for a 100-token prefill; docs/real-size.md).
+* ``--kernel mxfp4_linear_gathered=kernel`` (opt-in) makes GPU compiles add
+  ``--iree-codegen-llvmgpu-use-reduction-vector-distribution=false``: that kernel is a reduction that
+  reads the selected expert's bytes with ``tensor.extract``, which the ReductionVectorDistribution
+  pipeline fails to distribute. The flag changes every reduction of the module, and with it the
+  cuda shared-memory screen (tests/test_topk.py) flags 33 reduction kernels of the k512 graph that
+  store and load shared memory without a barrier, so it is not a default. The default gathers the
+  selected experts first (an f32 copy of every routed block's expert weight: 27 GB per Flash layer for a
+  100-token prefill; docs/real-size.md).
 
 `check_target` rejects what cannot work before any tracing: unknown names, CUDA archs compiler
 3.13 lacks (a table, with the advice to use sm_89), and anything else iree-compile refuses on a
@@ -58,7 +60,8 @@ __all__ = [
 ]
 
 SMALL_FLOAT_EMULATION = "--iree-llvmgpu-enable-small-float-emulation"
-# GPU targets: reductions that gather (mxfp4_linear_gathered) fail in ReductionVectorDistribution
+# GPU targets: reductions that gather (mxfp4_linear_gathered) fail in ReductionVectorDistribution; only
+# added when that kernel is chosen (exporter.py)
 GPU_REDUCTION_FLAG = "--iree-codegen-llvmgpu-use-reduction-vector-distribution=false"
 
 
@@ -104,7 +107,7 @@ TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
         driver=TARGET_DRIVERS["gfx942"],
-        base_flags=("--iree-hal-target-device=hip", GPU_REDUCTION_FLAG),
+        base_flags=("--iree-hal-target-device=hip",),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
@@ -124,7 +127,7 @@ TARGETS: dict[str, Target] = {
     "cuda": Target(
         name="cuda",
         driver=TARGET_DRIVERS["cuda"],
-        base_flags=("--iree-hal-target-device=cuda", GPU_REDUCTION_FLAG),
+        base_flags=("--iree-hal-target-device=cuda",),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",

@@ -53,7 +53,7 @@ from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, b
                                    function_abi, new_export_id, shard_inventory, staged_export, write_config)
 
 from . import compat as _compat
-from .compile import CompileError, Target, check_target, compile_mlir
+from .compile import GPU_REDUCTION_FLAG, CompileError, Target, check_target, compile_mlir
 from .sharding import check_devices, layout, shard_tensors, sharded
 
 __all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION", "state_entries",
@@ -191,6 +191,17 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
             dt = dtype_name(t.dtype)
             arr = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dt))
             yield f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}", arr.reshape(t.shape), dt
+
+
+def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target]) -> dict[str, str]:
+    """The user's --kernel choices, plus: an export for llvm-cpu only reads the routed experts in place
+    (mxfp4_linear_gathered=kernel; gathering first makes IREE write an f32 copy of every routed block's
+    weights, 27 GB per Flash layer for a 100-token prefill). GPU targets keep the gather: their
+    compile of that kernel needs a flag that changes every reduction (export/compile.py)."""
+    out = dict(kernels or {})
+    if "*" not in out and all(t.name == "llvm-cpu" for t in tgts):
+        out.setdefault("mxfp4_linear_gathered", "kernel")
+    return out
 
 
 def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
@@ -436,7 +447,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", str(e)) from None
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, dict(kernels or {}),
+                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, _default_kernels(kernels, tgts),
                               weights, devices)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all
@@ -490,7 +501,12 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             log(f"compiling {t.label} ...")
             try:
                 with _heartbeat(log, f"compiling {t.label}"):
-                    res = compile_mlir(mlir_path, t.with_devices(devices), vmfb, extra_flags,
+                    from .model_kernels import resolve_choices
+
+                    flags = list(extra_flags)
+                    if t.name != "llvm-cpu" and resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel":
+                        flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
+                    res = compile_mlir(mlir_path, t.with_devices(devices), vmfb, flags,
                                        log_path=out.parent / f"{out.name}.{t.name}.log")
             except CompileError as e:
                 raise ExportError(f"compile:{t.label}", str(e), e.ops) from None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import dsv4.export  # noqa: F401
-from dsv4.export.compile import compile_mlir, vmfb_executables
+from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executables
 from dsv4.export.model_kernels import use_kernels
 from dsv4.model import quant_sim
 from dsv4.model.formats import dequant_fp8_block, dequant_mxfp4, fp8_fn_to_fnuz
@@ -294,14 +294,15 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
         "mxfp4_gathered": lin["mxfp4_gathered"],
     }
     cuda = _export({**common, "fp8": lin["fp8"], "fp8_stacked": lin["fp8_stacked"]}, tmp_path / "cuda.mlir")
-    res = compile_mlir(cuda, "cuda", tmp_path / "cuda.vmfb")
+    gathered = [GPU_REDUCTION_FLAG]  # what the exporter adds when mxfp4_linear_gathered=kernel is chosen
+    res = compile_mlir(cuda, "cuda", tmp_path / "cuda.vmfb", extra_flags=gathered)
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"sm_89"}
     ptx = " ".join(t.decode(errors="replace") for t in re.findall(rb"\.version[^\x00]*", res.path.read_bytes()))
     assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in ptx, "cuda: the FP8 GEMM is not on the tensor cores"
     decode = (lin["fp8_fnuz"][0], lin["fp8_fnuz"][1][:1, :1])  # one static row: the f32 GEMM
     gfx = _export({**common, "fp8_fnuz": lin["fp8_fnuz"], "fp8_fnuz_decode": decode}, tmp_path / "gfx.mlir",
                   static=("fp8_fnuz_decode",))
-    res = compile_mlir(gfx, "gfx942", tmp_path / "gfx.vmfb")
+    res = compile_mlir(gfx, "gfx942", tmp_path / "gfx.vmfb", extra_flags=gathered)
     assert {e.gpu_arch for e in vmfb_executables(res.path)} == {"gfx942"}
     isa = _gfx942_disassembly(res.path)
     if isa is not None:

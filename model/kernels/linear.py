@@ -180,7 +180,7 @@ def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 @kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
-        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR, export="kernel")
+        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR, export="reference")
 def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).
