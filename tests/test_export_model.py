@@ -353,3 +353,17 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
     assert "export stage 'validate' failed: batch sizes must be integers >= 1" in capsys.readouterr().err
     assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 2
     assert "kernel op 'moe_experts' has no implementation 'kernel'" in capsys.readouterr().err
+
+
+def test_routed_experts_read_in_place_only_for_cpu_exports():
+    """llvm-cpu-only exports read the routed experts in place (no per-block weight copy); an export
+    with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
+    every reduction); explicit choices and '*' are left alone."""
+    from dsv4.export.compile import check_target
+    from dsv4.export.exporter import _default_kernels
+
+    cpu, cuda = check_target("llvm-cpu"), check_target("cuda")
+    assert _default_kernels(None, [cpu]) == {"mxfp4_linear_gathered": "kernel"}
+    assert _default_kernels(None, [cpu, cuda]) == {}
+    assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu]) == {"mxfp4_linear_gathered": "reference"}
+    assert _default_kernels({"*": "reference"}, [cpu]) == {"*": "reference"}
