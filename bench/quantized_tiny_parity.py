@@ -10,29 +10,15 @@ import numpy as np, torch
 import dsv4.export  # noqa
 from dsv4.export.exporter import export_model
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
-from dsv4.model.config import ModelConfig
-from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 ensure_runtime_flags()
 out, dtn = Path(sys.argv[1]), sys.argv[2]
 dt = getattr(torch, dtn)
-cfg = ModelConfig.preset("tiny").replace(quant_sim=True, expert_dtype="fp4")
-m = init_random(Transformer(cfg, dtype=dt), seed=1)
-q = Transformer(cfg, dtype=dt, quantized=True)
-g = torch.Generator().manual_seed(2)
-sd = m.state_dict()
-with torch.no_grad():
-    for name, p in q.named_parameters():
-        if p.dtype == torch.float8_e4m3fn:
-            b = torch.randint(0, 0x7E, p.shape, generator=g, dtype=torch.uint8)
-            b |= torch.randint(0, 2, p.shape, generator=g, dtype=torch.uint8) << 7
-            p.data = b.view(torch.float8_e4m3fn)
-        elif p.dtype == torch.uint8:
-            lo, hi = (118, 124) if name.endswith("scale") else (0, 256)
-            p.copy_(torch.randint(lo, hi, p.shape, generator=g, dtype=torch.uint8))
-        else:
-            p.copy_(sd[name])
-q.eval()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_export_model import _quantized_tiny  # the tests' quantized tiny model (random FP8/MXFP4 bytes)
+
+q = _quantized_tiny(quant_sim=True, dtype=dt)
+cfg = q.cfg
 if not (out / "config.json").exists():
     t0 = time.time()
     r = export_model(q, cfg, out, targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1,), score=False,

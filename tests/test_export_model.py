@@ -294,11 +294,12 @@ def test_default_slots_cover_decode_batch_sizes():
     assert n_slots == 16
 
 
-def _quantized_tiny() -> Transformer:
-    """Tiny with FP8 linears (E8M0 scales) and MXFP4 experts, random bytes (no NaN codes)."""
-    cfg = ModelConfig.preset("tiny").replace(quant_sim=False, expert_dtype="fp4")
-    m = init_random(Transformer(cfg, dtype=torch.float32), seed=1)  # float weights first
-    q = Transformer(cfg, dtype=torch.float32, quantized=True)
+def _quantized_tiny(quant_sim: bool = False, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Tiny with FP8 linears (E8M0 scales) and MXFP4 experts, random bytes (no NaN codes).
+    Also the model of bench/quantized_tiny_parity.py."""
+    cfg = ModelConfig.preset("tiny").replace(quant_sim=quant_sim, expert_dtype="fp4")
+    m = init_random(Transformer(cfg, dtype=dtype), seed=1)  # float weights first
+    q = Transformer(cfg, dtype=dtype, quantized=True)
     g = torch.Generator().manual_seed(2)
     sd = m.state_dict()
     with torch.no_grad():
