@@ -40,10 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-ids", action="append", default=None,
                    help="comma-separated token ids (repeatable; default: two fixed prompts)")
     p.add_argument("--steps", type=int, default=16, help="greedy tokens compared (default 16)")
+    p.add_argument("--stage-devices", default=None,
+                   help="a pipeline export's device index per stage, e.g. 0,0 (both stages on one GPU)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     prompts = [[int(t) for t in s.split(",")] for s in args.prompt_ids] if args.prompt_ids else DEFAULT_PROMPTS
-    one, many = Engine(args.one, device=args.device), Engine(args.many, device=args.device)
+    stages = None if args.stage_devices is None else [int(i) for i in args.stage_devices.split(",")]
+    many = Engine(args.many, device=args.device, stage_devices=stages)  # first: a multi-GPU engine sets up the cuda driver (module.py)
+    one = Engine(args.one, device=args.device)
     rows = []
     for prompt in prompts:
         a, b = prefill_logits(one, prompt), prefill_logits(many, prompt)

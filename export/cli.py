@@ -87,6 +87,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                    help="one module over N devices of the target (default 1): query heads, routed experts, "
                         "embedding and head split across them (docs/scale.md); N must divide the heads, "
                         "o_groups, experts and vocabulary")
+    p.add_argument("--pipeline", action="store_true",
+                   help="with --devices N: split the layers into N consecutive stages, one module per device, "
+                        "the streams crossing through host memory (needs no peer access between GPUs: the way "
+                        "to run on several H200s with IREE 3.13's cuda driver; docs/scale.md)")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
@@ -144,6 +148,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             check_target(t)
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        if args.pipeline and args.devices < 2:
+            raise ValueError("--pipeline needs --devices N with N >= 2 (the number of stages)")
         import torch
 
         from dsv4.model.config import ModelConfig
@@ -194,7 +200,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
                            tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
-                           weights=weights, devices=args.devices)
+                           weights=weights, devices=args.devices, pipeline=args.pipeline)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2
@@ -203,8 +209,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res.timings.items()))
     for name, info in res.config["targets"].items():
-        size = (res.out_dir / info["vmfb"]).stat().st_size
-        print(f"  {name}: {info['vmfb']} ({size / 1e6:.2f} MB, compiled in {info['compile_s']:.1f} s)")
+        vmfbs = info.get("stages", [info["vmfb"]])
+        size = sum((res.out_dir / v).stat().st_size for v in vmfbs)
+        print(f"  {name}: {', '.join(vmfbs)} ({size / 1e6:.2f} MB, compiled in {info['compile_s']:.1f} s)")
     files = [res.out_dir / f for f in res.config["parameters"]]
     if all(f.is_file() for f in files):
         size = sum(f.stat().st_size for f in files)

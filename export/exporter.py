@@ -56,7 +56,7 @@ from . import compat as _compat
 from .compile import GPU_REDUCTION_FLAG, CompileError, Target, check_target, compile_mlir
 from .sharding import check_devices, layout, shard_tensors, sharded
 
-__all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION", "state_entries",
+__all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION",
            "function_abi", "score_logprobs"]
 
 STATE_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,17 +100,26 @@ def score_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Te
 
 
 class _Entry(nn.Module):
-    """Wraps the Transformer so the state is a flat tuple of arguments in state_spec order."""
+    """Wraps the Transformer (or a pipeline `Stage`) so the state is a flat tuple of arguments in
+    state_spec order. A stage that is not the last returns its streams from every entry point."""
 
     def __init__(self, model: nn.Module, names: Sequence[str]):
         super().__init__()
         self.model = model
         self.names = tuple(names)
+        self.is_last = getattr(model, "is_last", True)
 
-    def step(self, tokens, start_pos, lengths, slots, state):
+    def _run(self, tokens, start_pos, lengths, slots, state, h, all_logits=False):
+        streams = {} if h is None else {"h": h}
+        return self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)), all_logits=all_logits,
+                          **streams)
+
+    def step(self, tokens, start_pos, lengths, slots, state, h=None):
         from dsv4.model.kernels.topk import first_argmax
 
-        logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
+        logits = self._run(tokens, start_pos, lengths, slots, state, h)
+        if not self.is_last:
+            return logits
         return logits, first_argmax(logits)[:, 0]  # = argmax(-1); aten.argmax fails on gfx942
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
@@ -122,21 +131,13 @@ class _Entry(nn.Module):
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
         return (logits, *[idx for _, idx in rec], *[s for s, _ in rec])
 
-    def score(self, tokens, start_pos, lengths, slots, state):
-        logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)), all_logits=True)
-        return score_logprobs(logits, tokens, lengths)
+    def score(self, tokens, start_pos, lengths, slots, state, h=None):
+        logits = self._run(tokens, start_pos, lengths, slots, state, h, all_logits=True)
+        return score_logprobs(logits, tokens, lengths) if self.is_last else logits
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def state_entries(cfg, n_slots: int, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """config.json's "state": [{"name", "shape", "dtype"}] in argument order."""
-    from dsv4.model.state import state_spec
-
-    return [{"name": n, "shape": list(shape), "dtype": STATE_DTYPE_NAMES[dt]}
-            for n, (shape, dt) in state_spec(cfg, n_slots, dtype).items()]
 
 
 def _has_fp8(model: nn.Module) -> bool:
@@ -303,13 +304,17 @@ def _heartbeat(log: Callable[[str], None], what: str, every: float = 30.0) -> It
         th.join()
 
 
-def _program(fn: Callable) -> Callable:
-    """A function with the exact signature torch.export matches dynamic_shapes against."""
+def _program(fn: Callable, streams: bool = False) -> Callable:
+    """A function with the exact signature torch.export matches dynamic_shapes against; with
+    `streams` it takes the previous pipeline stage's streams `h` first."""
 
     def traced(m, tokens, start_pos, lengths, slots, state):
         return fn(m, tokens, start_pos, lengths, slots, state)
 
-    return traced
+    def traced_h(m, h, tokens, start_pos, lengths, slots, state):
+        return fn(m, tokens, start_pos, lengths, slots, state, h)
+
+    return traced_h if streams else traced
 
 
 def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None:
@@ -330,30 +335,33 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
         fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)
 
 
-def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dtype, cfg, n_slots: int,
+def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], cfg,
                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                 export_id: str, mlir_path: Path, log: Callable[[str], None], timings: dict[str, float],
                 tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
     """Trace every entry point and import them into one MLIR module (the graph reads parameters by
-    name from the .irpa, so tracing never touches weight values)."""
+    name from the .irpa, so tracing never touches weight values). `model` is the Transformer or a
+    pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first)."""
     from iree.turbine import aot
 
-    from dsv4.model.state import state_spec
-
-    entry = _Entry(model, state_names).eval()
+    entry = _Entry(model, list(state_spec)).eval()
     aot.externalize_module_parameters(entry, external_scope=PARAM_SCOPE)
 
     fxb = aot.FxProgramsBuilder(entry)
-    state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec(cfg, n_slots, state_dtype).values()]
+    state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec.values()]
     T = torch.export.Dim("T", min=min_tokens, max=max_chunk)
     i64 = torch.int64
     ex_T = min(max(min_tokens, 2 * min_tokens), max_chunk)
+    streams = not getattr(model, "is_first", True)
 
     def example(n: int, t: int) -> tuple:
-        return (torch.zeros(n, t, dtype=i64), torch.zeros(n, dtype=i64), torch.full((n,), t, dtype=i64),
+        args = (torch.zeros(n, t, dtype=i64), torch.zeros(n, dtype=i64), torch.full((n,), t, dtype=i64),
                 torch.arange(n, dtype=i64), state)
+        return (torch.zeros(n, t, cfg.hc_mult, cfg.hidden_size), *args) if streams else args
 
     dyn = {"tokens": {1: T}, "start_pos": None, "lengths": None, "slots": None, "state": [None] * len(state)}
+    if streams:
+        dyn = {"h": {1: T}, **dyn}
     programs: list[tuple[str, Callable, tuple, Any]] = []
     for n in bs:
         programs.append((f"prefill_bs{n}", _Entry.step, example(n, ex_T), dyn))
@@ -371,7 +379,7 @@ def _build_mlir(model: nn.Module, state_names: list[str], state_dtype: torch.dty
             t0 = time.perf_counter()
             try:
                 with _heartbeat(log, f"tracing {name}"):
-                    _trace(fxb, name, _program(fn), args, dshapes)
+                    _trace(fxb, name, _program(fn, streams), args, dshapes)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
@@ -397,7 +405,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
                  probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
                  force: bool = False, weights: "WeightSource | str | None" = "model",
-                 devices: int = 1) -> ExportResult:
+                 devices: int = 1, pipeline: bool = False) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
@@ -410,15 +418,24 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     `empty_model` whose memory is never touched. Raises ExportError naming the failing stage (and op, when known);
     `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
     `devices` > 1 builds one module over that many devices (export/sharding.py: the layout, recorded
-    in config.json's "devices"); the weights are then stored per device. Returns the config.json dict
-    and per-stage timings (seconds)."""
+    in config.json's "devices"); the weights are then stored per device. With `pipeline` the layers
+    are split into `devices` consecutive stages instead, one module per device (export/pipeline.py;
+    files model.stage<k>.<target>.vmfb, one .irpa for all). Returns the config.json dict and per-stage
+    timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
     tgts, bs, dec_bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes,
                                                                  decode_batch_sizes, max_chunk, n_slots)
     try:
-        check_devices(cfg, devices)
+        if pipeline:
+            from .pipeline import check_pipeline
+
+            check_pipeline(cfg, devices)
+            if probe_topk:
+                raise ValueError("the top-k probe is not exported for pipeline stages")
+        else:
+            check_devices(cfg, devices)
     except ValueError as e:
         raise ExportError("validate", str(e)) from None
     score_bs = [1] if score else []
@@ -448,7 +465,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
                               n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, _default_kernels(kernels, tgts),
-                              weights, devices)
+                              weights, devices, pipeline)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all
     log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
@@ -459,16 +476,29 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                  bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                  n_slots: int, keep_mlir: bool, tok_src: Path | None, log: Callable[[str], None],
                  extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str],
-                 weights: "WeightSource | str | None", devices: int) -> dict[str, Any]:
+                 weights: "WeightSource | str | None", devices: int, pipeline: bool) -> dict[str, Any]:
     """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
     (with the stage timings under "_timings", removed by the caller)."""
     from dsv4.model.checkpoint.irpa import param_inventory
-    from dsv4.model.state import state_spec
+    from dsv4.model.state import StateLayout, state_spec
     from dsv4.runtime.weights import SHARD_BYTES
 
-    state_names = list(state_spec(cfg, n_slots, act))
+    from .pipeline import Stage, pipeline_layout, stage_bounds, stage_state_name
+
     export_id = new_export_id()
     timings: dict[str, float] = {}
+    # the modules to build: the whole model (over `devices` HAL devices), or one per pipeline stage,
+    # each as (model or Stage, its state spec, its name in the files, its name in config.json's state)
+    if pipeline:
+        layout_ = StateLayout(cfg)
+        parts = [(Stage(model, a, b), layout_.stage_spec(n_slots, act, a, b), f".stage{k}", k)
+                 for k, (a, b) in enumerate(stage_bounds(cfg.n_layers, devices))]
+    else:
+        parts = [(model, state_spec(cfg, n_slots, act), "", None)]
+    state_list = [{"name": n if k is None else stage_state_name(k, n), "shape": list(shape),
+                   "dtype": STATE_DTYPE_NAMES[dt]} for _, spec, _, k in parts for n, (shape, dt) in spec.items()]
+    module_devices = 1 if pipeline else devices  # HAL devices each module drives
+    weight_devices = 1 if pipeline else devices  # a pipeline's stages share the whole model's weights
 
     # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
     groups: dict[str, list[Target]] = {}
@@ -481,45 +511,57 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     for gi, (flavour, gtargets) in enumerate(groups.items()):
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
-        mlir_path = stage / f"model{suffix}.mlir"
         log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
             f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}"
-            + (f", {devices} devices" if devices > 1 else ""))
+            + (f", {devices} devices" if devices > 1 else "") + (" (pipeline stages)" if pipeline else ""))
         with _fp8_dtype(model, flavour):
             whole = param_inventory(model)  # what a weight source is asked for
-            specs = shard_inventory(whole, devices)  # the vmfb's keys: per device when devices > 1
-            with sharded(model, devices):
-                _check_shards(param_inventory(model), specs)
-                _build_mlir(model, state_names, act, cfg, n_slots, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                            export_id, mlir_path, log, timings, tag, probe_topk, kernels)
-        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, devices, weights, out, log,
-                               timings, tag)
+            specs = shard_inventory(whole, weight_devices)  # the vmfb's keys: per device when devices > 1
+            mlirs = []
+            for part, spec, name, k in parts:
+                mlir_path = stage / f"model{suffix}{name}.mlir"
+                if k is not None:
+                    log(f"pipeline stage {k}: layers [{part.first}, {part.last})")
+                with sharded(model, module_devices):
+                    if k is None:
+                        _check_shards(param_inventory(model), specs)
+                    _build_mlir(part, spec, cfg, bs, dec_bs, score_bs, min_tokens, max_chunk, export_id, mlir_path,
+                                log, timings, tag + name, probe_topk, kernels)
+                mlirs.append((mlir_path, name))
+        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, weight_devices, weights, out,
+                               log, timings, tag)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
-            vmfb = stage / f"model.{t.name}.vmfb"
-            log(f"compiling {t.label} ...")
-            try:
-                with _heartbeat(log, f"compiling {t.label}"):
-                    from .model_kernels import resolve_choices
+            vmfbs, flags_used, seconds = [], (), 0.0
+            for mlir_path, name in mlirs:
+                vmfb = stage / f"model{name}.{t.name}.vmfb"
+                log(f"compiling {t.label}{name} ...")
+                try:
+                    with _heartbeat(log, f"compiling {t.label}{name}"):
+                        from .model_kernels import resolve_choices
 
-                    flags = list(extra_flags)
-                    if t.name != "llvm-cpu" and resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel":
-                        flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
-                    res = compile_mlir(mlir_path, t.with_devices(devices), vmfb, flags,
-                                       log_path=out.parent / f"{out.name}.{t.name}.log")
-            except CompileError as e:
-                raise ExportError(f"compile:{t.label}", str(e), e.ops) from None
-            timings[f"compile:{t.label}"] = res.seconds
-            log(f"compiled {t.label} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
-            info = {"vmfb": vmfb.name, "flags": list(res.flags), "compile_s": round(res.seconds, 2),
-                    "driver": t.driver}
+                        flags = list(extra_flags)
+                        if t.name != "llvm-cpu" and resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel":
+                            flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
+                        res = compile_mlir(mlir_path, t.with_devices(module_devices), vmfb, flags,
+                                           log_path=out.parent / f"{out.name}.{t.name}.log")
+                except CompileError as e:
+                    raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
+                timings[f"compile:{t.label}{name}"] = res.seconds
+                log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
+                vmfbs.append(vmfb.name)
+                flags_used, seconds = res.flags, seconds + res.seconds
+            info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver}
+            if pipeline:
+                info["stages"] = vmfbs
             if suffix:  # this group's own weight files: the inventory with its FP8 dtype
                 info["parameters"] = files
                 info["fp8_dtype"] = "float8_e4m3fnuz"
             target_info[t.name] = info
         if not keep_mlir:
-            mlir_path.unlink(missing_ok=True)
+            for mlir_path, _ in mlirs:
+                mlir_path.unlink(missing_ok=True)
 
     tok_name = None
     if tok_src is not None:
@@ -531,15 +573,15 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
 
     extra = {}
     if probe_topk:
-        extra["topk_probe_bs1"] = {**function_abi("prefill", state_names), "results": ["logits", "topk...", "topk_scores..."]}
+        extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]), "results": ["logits", "topk...", "topk_scores..."]}
     config = build_config(
         model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
         prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,
-        score_batch_sizes=score_bs, state=state_entries(cfg, n_slots, act), targets=target_info,
+        score_batch_sizes=score_bs, state=state_list, targets=target_info,
         parameters=first_files, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
         eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra,
         weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES},
-        devices=layout(cfg, devices) if devices > 1 else None)
+        devices=pipeline_layout(cfg, devices) if pipeline else layout(cfg, devices) if devices > 1 else None)
     write_config(stage, config)
     return {**config, "_timings": timings}
 

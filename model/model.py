@@ -511,6 +511,16 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return (pre[..., None] * h.float()).sum(2).to(h.dtype)
 
 
+def final_logits(h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, fn: torch.Tensor, base: torch.Tensor,
+                 scale: torch.Tensor, norm: RMSNorm, head: nn.Linear, cfg: ModelConfig) -> torch.Tensor:
+    """Streams [B,T,n,d] -> fp32 logits: [B,V] at each row's last real token, or [B,T,V] with all_logits."""
+    if not all_logits:  # only each row's last real position
+        last = (lengths - 1).clamp(min=0)
+        h = torch.gather(h, 1, last.view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:]))
+    out = head(norm(hc_head(h, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps)).float())
+    return out if all_logits else out[:, 0]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None,
                  expert_fmt: str | None):
@@ -615,12 +625,7 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, head_params=None,
                norm: RMSNorm | None = None) -> torch.Tensor:
         fn, base, scale = head_params or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        if not all_logits:  # only each row's last real position
-            last = (lengths - 1).clamp(min=0)
-            h = torch.gather(h, 1, last.view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:]))
-        x = (norm or self.norm)(hc_head(h, fn, scale, base, self.cfg.hc_eps, self.cfg.rms_norm_eps))
-        out = self.head(x.float())
-        return out if all_logits else out[:, 0]
+        return final_logits(h, lengths, all_logits, fn, base, scale, norm or self.norm, self.head, self.cfg)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 state: dict[str, torch.Tensor], all_logits: bool = False) -> torch.Tensor:

@@ -82,6 +82,35 @@ class StateLayout:
                 out["idx_cmp_score_r4"] = ((n_slots, n, ring, 2 * di), torch.float32)
         return out
 
+    def stage(self, first: int, last: int) -> tuple[list[LayerState], dict[str, tuple[int, int]]]:
+        """Layers [first, last) on their own (one stage of a pipeline export): their LayerStates
+        renumbered into the stage's own state tensors, and {tensor name: (lo, hi)}, the rows of
+        dim 1 of the whole model's tensor that the stage's tensor holds. A layer's groups are
+        numbered in layer order, so every range is contiguous."""
+        if not 0 <= first < last <= len(self.layers):
+            raise ValueError(f"stage layers [{first}, {last}) outside [0, {len(self.layers)})")
+        mine = self.layers[first:last]
+        ranges = {"win_kv": (first, last)}
+        for r in sorted({st.ratio for st in mine if st.ratio}):
+            gs = [st.group for st in mine if st.ratio == r]
+            names = [f"kv_r{r}", f"cmp_kv_r{r}", f"cmp_score_r{r}"]
+            names += ["idx_kv_r4", "idx_cmp_kv_r4", "idx_cmp_score_r4"] if r == 4 else []
+            ranges.update({n: (gs[0], gs[-1] + 1) for n in names})
+        lo = {r: ranges[f"kv_r{r}"][0] for r in self.ratio_counts if f"kv_r{r}" in ranges}
+        states = [LayerState(st.ratio, st.group - lo.get(st.ratio, 0), st.window - first) for st in mine]
+        return states, ranges
+
+    def stage_spec(self, n_slots: int, dtype: torch.dtype, first: int, last: int
+                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """`spec` of the stage holding layers [first, last): the tensors its layers use, cut along dim 1."""
+        _, ranges = self.stage(first, last)
+        out = {}
+        for name, (shape, dt) in self.spec(n_slots, dtype).items():
+            if name in ranges:
+                lo, hi = ranges[name]
+                out[name] = ((shape[0], hi - lo, *shape[2:]), dt)
+        return out
+
 
 def state_spec(cfg: ModelConfig, n_slots: int, dtype: torch.dtype = torch.bfloat16):
     return StateLayout(cfg).spec(n_slots, dtype)

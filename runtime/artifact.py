@@ -450,7 +450,10 @@ class ExportConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     export_id: str | None
-    n_devices: int = 1  # config.json "devices.count": HAL devices the module drives (state on device 0)
+    n_devices: int = 1  # config.json "devices.count": HAL devices the export drives
+    # config.json "devices.stages" of a pipeline export ("split": "pipeline"): [first, last) layers of
+    # each stage, stage k a module of its own on device k; () for a one-module export
+    pipeline: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
@@ -564,6 +567,23 @@ class ExportConfig:
         dev = raw.get("devices", {"count": 1})
         _need(isinstance(dev, dict) and _pos_int(dev.get("count")), p,
               f"devices: must be an object with a positive integer count, got {dev!r}")
+        stages: list = []
+        if dev.get("split") == "pipeline":
+            stages = dev.get("stages")
+            ok = (isinstance(stages, list) and len(stages) == dev["count"]
+                  and all(isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) for b in stages))
+            _need(ok and stages[0][0] == 0 and all(a < b for a, b in stages)
+                  and all(stages[k][1] == stages[k + 1][0] for k in range(len(stages) - 1)), p,
+                  f"devices.stages: must be {dev['count']} consecutive [first, last) layer ranges from 0, got {stages!r}")
+            for t, info in targets.items():
+                vm = info.get("stages")
+                _need(isinstance(vm, list) and len(vm) == len(stages) and all(isinstance(v, str) for v in vm), p,
+                      f"targets.{t}.stages: a pipeline export needs one vmfb per stage ({len(stages)}), got {vm!r}")
+            owners = {s.name.split(".", 1)[0] for s in specs}
+            _need(owners == {f"stage{k}" for k in range(len(stages))}, p,
+                  "state: a pipeline export names each state tensor stage<k>.<name>, every stage at least one")
+        else:
+            _need(dev.get("split") in (None, "module"), p, f"devices.split: unknown split {dev.get('split')!r}")
         return cls(
             directory=d, raw=raw, model=model, vocab_size=int(vocab), max_seq_len=int(raw["max_seq_len"]),
             n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
@@ -572,7 +592,7 @@ class ExportConfig:
             targets=targets, parameters=tuple(d / f for f in params), weights=inventory, shard_bytes=shard_bytes,
             tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
-            n_devices=int(dev["count"]),
+            n_devices=int(dev["count"]), pipeline=tuple((int(a), int(b)) for a, b in stages),
         )
 
     def parameters_for(self, target: str) -> tuple[Path, ...]:
@@ -608,6 +628,21 @@ class ExportConfig:
         if not path.is_file():
             raise ArtifactError(f"{self.directory}: {info['vmfb']} (target {target}) is missing")
         return path
+
+    def stage_vmfb_paths(self, target: str) -> list[Path]:
+        """A pipeline export's vmfb of each stage for ``target``, in order (ArtifactError when one is missing)."""
+        first = self.vmfb_path(target)
+        paths = [self.directory / v for v in self.targets[target].get("stages", [first.name])]
+        gone = [q.name for q in paths if not q.is_file()]
+        if gone:
+            raise ArtifactError(f"{self.directory}: {', '.join(gone)} (target {target}) missing")
+        return paths
+
+    @property
+    def weight_devices(self) -> int:
+        """How many devices the weights are cut for (artifact.shard_inventory): the pipeline's
+        stages share the whole model's tensors."""
+        return 1 if self.pipeline else self.n_devices
 
     def has_function(self, name: str) -> bool:
         return name in self.functions

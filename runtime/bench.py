@@ -200,7 +200,7 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
     s = 0.0
     for spec in state:
         per_slot = spec.nbytes / spec.shape[0]
-        name = spec.name
+        name = spec.name.rsplit(".", 1)[-1]  # a pipeline stage's "stage<k>.kv_r4" is a kv_r4
         if name.startswith(("kv_r", "idx_kv_r")):  # [slots, layers, max_seq/r + 1, dim]
             r = int(name.rsplit("_r", 1)[1])
             rows = min(context, max_seq_len) // r
@@ -238,6 +238,8 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
     if mode is None or bad:
         return {"available": False, "why": f"no HAL profiling mode for {device}" if mode is None
                 else f"state dtype(s) {bad} have no iree-benchmark-module splat type"}
+    if cfg.pipeline:
+        return {"available": False, "why": "a pipeline export is one module per stage; profile a one-module export"}
     workdir.mkdir(parents=True, exist_ok=True)
     np.save(workdir / "slots.npy", np.arange(batch, dtype=np.int64))
     prof = workdir / "decode.ireeprof"

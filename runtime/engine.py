@@ -41,7 +41,7 @@ import numpy as np
 from .artifact import ExportConfig, target_for_device
 from .batching import SlotAllocator, plan_calls
 from .errors import ArtifactError, EngineError, RequestError
-from .module import IreeModule
+from .module import IreeModule, PipelineModule
 from .sampling import SamplingParams, make_rng, sample_token, token_logprobs
 from .text import IncrementalDecoder, StopMatcher, TextCodec
 
@@ -133,13 +133,15 @@ class Engine:
     """
 
     def __init__(self, export_dir: str | Path, device: str = "local-task", device_index: int = 0,
-                 *, check_export_id: bool = True, batch_invariant: bool = True, devices: int | None = None):
+                 *, check_export_id: bool = True, batch_invariant: bool = True, devices: int | None = None,
+                 stage_devices: Sequence[int] | None = None):
         """Load ``export_dir`` (config.json, .irpa, the vmfb for ``device``) and allocate the state.
 
         ``device`` is an IREE driver: "local-task" / "local-sync" (the llvm-cpu vmfb), "cuda"
         (cuda), "hip" (gfx942); ``device_index`` picks the GPU. ``devices``: how many devices the
-        export drives (default: its config.json's count; a multi-device export opens GPUs
-        device_index, device_index + 1, ... or that many local devices). With ``check_export_id`` the vmfb's
+        export drives (default: its config.json's count; a multi-device or pipeline export opens GPUs
+        device_index, device_index + 1, ... or that many local devices; ``stage_devices`` puts a pipeline
+        export's stage k on device stage_devices[k] instead, e.g. [0, 0] on one GPU). With ``check_export_id`` the vmfb's
         baked-in export id must match config.json's. ``batch_invariant`` (default) prefills every
         request through one function, the smallest exported prefill batch size (one request per
         call when that is 1), so a request's logits are bitwise the same whatever else is running:
@@ -160,8 +162,15 @@ class Engine:
         if n_dev != cfg.n_devices:
             raise EngineError(f"{cfg.directory} was exported for {cfg.n_devices} device(s) "
                               f"(dsv4 export --devices {cfg.n_devices}), not {n_dev}")
-        self.module = IreeModule(self.vmfb_path, self.parameters_paths, driver=device, device_index=device_index,
-                                 expect=group.specs, devices=n_dev)
+        if stage_devices is not None and not cfg.pipeline:
+            raise EngineError(f"stage_devices is for pipeline exports; {cfg.directory} is one module")
+        if cfg.pipeline:  # one module per stage, stage k on device device_index + k
+            self.module = PipelineModule(cfg.stage_vmfb_paths(self.target), self.parameters_paths, driver=device,
+                                         device_index=device_index, expect=group.specs, state=cfg.state,
+                                         stage_devices=stage_devices)
+        else:
+            self.module = IreeModule(self.vmfb_path, self.parameters_paths, driver=device, device_index=device_index,
+                                     expect=group.specs, devices=n_dev)
         names = set(self.module.function_names)
         missing = [f for f in cfg.functions if f not in names]
         if missing:

@@ -27,7 +27,7 @@ import numpy as np
 from .artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb
 from .errors import ArtifactError, EngineError
 
-__all__ = ["IreeModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
+__all__ = ["IreeModule", "PipelineModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
 
 TASK_WORKER_STACK_SIZE = 1 << 20
 _flags_parsed = False
@@ -46,6 +46,29 @@ def ensure_runtime_flags(stack_size: int = TASK_WORKER_STACK_SIZE) -> None:
         _flags_parsed = True
 
 
+_cuda_opened = False  # a cuda device was opened in this process (its driver now exists, flags fixed)
+_cuda_several = False  # the cuda driver was made for several GPUs (stream-ordered allocations off)
+
+
+def _cuda_for_several_gpus(driver: str) -> None:
+    """IREE 3.13's cuda driver uses stream-ordered (async) allocations; once one process drives two
+    GPUs, a module on the second fails in its initializer (hal.device.queue.dealloca ABORTED) or
+    hangs (measured on two H200s; docs/scale.md). With ``--cuda_async_allocations=false`` both the
+    two-device module and pipeline stages run. The flag is read when the driver is made (once per
+    process), so it is parsed before the first cuda device; EngineError when a one-GPU cuda module was
+    opened first in this process."""
+    global _cuda_several
+    if driver != "cuda" or _cuda_several:
+        return
+    if _cuda_opened:
+        raise EngineError("this process opened a cuda device for one GPU before this multi-GPU export; IREE's cuda "
+                          "driver is then set up for one GPU: open the multi-GPU engine first (or in its own process)")
+    import iree.runtime as rt
+
+    rt.flags.parse_flags("--cuda_async_allocations=false")
+    _cuda_several = True
+
+
 class IreeModule:
     """A vmfb loaded in its own VmContext on one device, with optional parameter archives (all
     shards of the weights; `expect` = their inventory, checked on load).
@@ -57,7 +80,8 @@ class IreeModule:
 
     ``devices`` > 1 opens a multi-device module (`dsv4 export --devices N`): N devices of the driver
     in one HAL module, in order (GPUs device_index, device_index + 1, ...; local drivers: N
-    separate local devices of this process); arguments, results and state live on the first."""
+    separate local devices of this process, local device k for device_index k); arguments, results
+    and state live on the first."""
 
     def __init__(self, vmfb: str | Path, parameters: str | Path | Sequence[str | Path] | None = None, *,
                  driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE,
@@ -73,6 +97,8 @@ class IreeModule:
             check_irpa(p)
         if driver.startswith("local"):
             ensure_runtime_flags()
+        if int(devices) > 1:
+            _cuda_for_several_gpus(driver)
         self.devices = _open_devices(rt, driver, int(device_index), int(devices))
         self.device = self.devices[0]
         self.config = rt.Config(device=self.device)
@@ -151,16 +177,101 @@ class IreeModule:
         return ",".join(str(int(x)) for x in a.reshape(-1))
 
 
+class PipelineModule:
+    """A pipeline export (`dsv4 export --devices N --pipeline`): stage k's vmfb in its own context on
+    device device_index + k (GPUs: that GPU; local drivers: a local device of its own per stage), or
+    on `stage_devices[k]` (e.g. [0, 0]: every stage on one GPU, when its memory suffices), all reading
+    the same parameter archives. ``function(name)`` runs the stages in order, each on its own state
+    tensors, moving the float32 streams between them through host memory (a device-to-host copy,
+    then host-to-device; no peer access needed); results and the call signature are those of a
+    one-module export. State specs are named ``stage<k>.<name>`` (config.json), which is how
+    `zeros` knows each tensor's device."""
+
+    def __init__(self, vmfbs: Sequence[str | Path], parameters: str | Path | Sequence[str | Path] | None = None, *,
+                 driver: str = "local-task", device_index: int = 0, param_scope: str = PARAM_SCOPE,
+                 expect: Sequence[TensorSpec] | None = None, state: Sequence[StateSpec] = (),
+                 stage_devices: Sequence[int] | None = None):
+        where = [device_index + k for k in range(len(vmfbs))] if stage_devices is None else [int(i) for i in stage_devices]
+        if len(where) != len(vmfbs) or min(where) < 0:
+            raise EngineError(f"stage_devices must give a device index >= 0 for each of the {len(vmfbs)} stages, "
+                              f"got {list(stage_devices or [])}")
+        if len(set(where)) > 1:
+            _cuda_for_several_gpus(driver)
+        self.stages = [IreeModule(v, parameters, driver=driver, device_index=i, param_scope=param_scope, expect=expect)
+                       for v, i in zip(vmfbs, where)]
+        self.devices = [m.device for m in self.stages]
+        self.device = self.devices[0]
+        self.vmfb_path = self.stages[0].vmfb_path
+        # which state arguments (in config.json order) each stage takes
+        self._owner = [int(s.name.split(".", 1)[0].removeprefix("stage")) for s in state]
+        self._calls: dict[str, Any] = {}
+
+    @property
+    def function_names(self) -> list[str]:
+        names = set(self.stages[0].function_names)
+        for m in self.stages[1:]:
+            names &= set(m.function_names)
+        return sorted(names)
+
+    def function(self, name: str) -> Any:
+        """A callable (tokens, start_pos, lengths, slots, *state) -> the last stage's results (device arrays)."""
+        call = self._calls.get(name)
+        if call is None:
+            fns = [m.function(name) for m in self.stages]
+            stages, owner = self.stages, self._owner
+
+            def call(tokens: Any, start_pos: Any, lengths: Any, slots: Any, *state: Any) -> Any:
+                if len(state) != len(owner):
+                    raise EngineError(f"{name}: {len(state)} state tensors given, the pipeline takes {len(owner)}")
+                h = None
+                for k, fn in enumerate(fns):
+                    mine = [s for s, o in zip(state, owner) if o == k]
+                    if h is None:
+                        h = fn(tokens, start_pos, lengths, slots, *mine)
+                    else:  # the streams: device k-1 -> host -> device k
+                        h = fn(stages[k].device_array(np.asarray(h.to_host())), tokens, start_pos, lengths,
+                               slots, *mine)
+                return h
+
+            self._calls[name] = call
+        return call
+
+    def zeros(self, spec: StateSpec) -> Any:
+        k = int(spec.name.split(".", 1)[0].removeprefix("stage"))
+        return self.stages[k].zeros(spec)
+
+    def device_array(self, host: np.ndarray) -> Any:
+        return self.stages[0].device_array(host)
+
+    def call(self, name: str, *args: Any) -> Any:
+        res = self.function(name)(*args)
+        if isinstance(res, (tuple, list)):
+            return tuple(_to_host(r) for r in res)
+        return _to_host(res)
+
+    __call__ = call
+
+    def read_export_id(self) -> str | None:
+        """The export id baked into the stages' vmfbs; ArtifactError when two stages disagree."""
+        ids = [m.read_export_id() for m in self.stages]
+        if len(set(ids)) > 1:
+            raise ArtifactError(f"the pipeline stages come from different exports: "
+                                f"{', '.join(f'{m.vmfb_path.name}={i}' for m, i in zip(self.stages, ids))}")
+        return ids[0]
+
+
 def _open_devices(rt: Any, driver: str, index: int, n: int) -> list[Any]:
     """The n devices a module runs on; EngineError naming the one that is not available."""
+    global _cuda_opened
+    _cuda_opened = _cuda_opened or driver == "cuda"
     if n < 1:
         raise EngineError(f"devices must be >= 1, got {n}")
     out = []
     for i in range(n):
         uri = driver if driver.startswith("local") else f"{driver}://{index + i}"
         try:
-            if driver.startswith("local") and i > 0:
-                key = (driver, i)
+            if driver.startswith("local") and index + i > 0:  # local device 0 is iree.runtime's own
+                key = (driver, index + i)
                 if key not in _LOCAL_DEVICES:
                     _LOCAL_DEVICES[key] = rt.get_driver(driver).create_default_device()
                 out.append(_LOCAL_DEVICES[key])

@@ -156,7 +156,7 @@ def test_failed_export_model_leaves_a_working_export_alone(tmp_path: Path, monke
     (out / "model.llvm-cpu.vmfb").write_text("old module")
     before = _snapshot(out)
 
-    def fake_build(model, names, dtype, cfg, n_slots, bs, dec, score, tmin, tmax, eid, mlir, *a, **k):
+    def fake_build(model, spec, cfg, bs, dec, score, tmin, tmax, eid, mlir, *a, **k):
         mlir.write_text("module {}")  # the weights stage then writes new shards into the stage
 
     def fake_compile(mlir, target, vmfb, extra=(), log_path=None):

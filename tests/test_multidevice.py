@@ -32,7 +32,7 @@ def _cfg() -> ModelConfig:
     return ModelConfig.preset("tiny", num_attention_heads=8, o_groups=8)
 
 
-def _export(n: int) -> Path:
+def _export(n: int, pipeline: bool = False) -> Path:
     from conftest import cached_export
 
     from dsv4.export.exporter import export_model
@@ -41,13 +41,15 @@ def _export(n: int) -> Path:
 
     cfg = _cfg()
     # N = 2 also compiles the MI300X module (hip x 2; its FP8 weights are the e4m3fnuz flavour)
-    targets = ["llvm-cpu", "gfx942"] if n == 2 else ["llvm-cpu"]
+    targets = ["llvm-cpu", "gfx942"] if n == 2 and not pipeline else ["llvm-cpu"]
 
     def build(d: Path) -> None:
         export_model(empty_model(cfg, torch.float32), cfg, d, targets=targets, batch_sizes=[1], score=False,
-                     keep_mlir=n == 2, devices=n,
+                     keep_mlir=n == 2 and not pipeline, devices=n, pipeline=pipeline,
                      weights=lambda specs, fp8: random_tensors(specs, cfg.to_dict(), SEED))
 
+    if pipeline:
+        return cached_export(f"pipeline{n}", build, ["pipeline", n, SEED, targets, cfg.to_dict()])
     return cached_export(f"multidev{n}", build, ["multidev", n, SEED, targets, cfg.to_dict()])
 
 
@@ -62,11 +64,11 @@ def _get(exports: dict[int, Path], n: int) -> Path:
     return exports[n]
 
 
-def _run(export_dir: Path) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def _run(export_dir: Path, **engine_args) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Prefill logits of PROMPT, the next decode step's logits, and a greedy continuation."""
     from dsv4.runtime.engine import Engine
 
-    eng = Engine(export_dir)
+    eng = Engine(export_dir, **engine_args)
     n = len(PROMPT)
     i64 = np.int64
     state = [eng.module.zeros(s) for s in eng.config.state]
@@ -269,3 +271,159 @@ def test_checkpoint_weights_stream_cut_for_two_devices() -> None:
     specs = shard_inventory(param_inventory(model), 2)
     got = [(k, a.shape) for k, a, _ in checked(shard_tensors(checkpoint_tensors(EMBEDDED_CHECKPOINT, model), 2), specs)]
     assert [k for k, _ in got] == [s.name for s in specs] and [tuple(a) for _, a in got] == [s.shape for s in specs]
+
+
+# ------------------------------------------------------------------------------------------------
+# pipeline exports (`--devices N --pipeline`, export/pipeline.py): one module per stage
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_pipeline_stages_in_eager_torch_are_the_whole_model_bitwise(n: int) -> None:
+    """Layers [first, last) per Stage, each on its own state tensors, the streams handed on as
+    float32: the same logits as the whole model (bf16, prefill then 4 decode steps), and each stage's
+    state equals its slice of the whole model's."""
+    from dsv4.export.pipeline import Stage, stage_bounds
+    from dsv4.model.model import Transformer, init_random
+    from dsv4.model.state import StateLayout, new_state
+
+    cfg = ModelConfig.preset("tiny")
+    model = init_random(Transformer(cfg, dtype=torch.bfloat16), seed=1).eval()
+    layout = StateLayout(cfg)
+    whole = new_state(cfg, 2, torch.bfloat16)
+    bounds = stage_bounds(cfg.n_layers, n)
+    stages = [Stage(model, a, b) for a, b in bounds]
+    states = [{k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in layout.stage_spec(2, torch.bfloat16, a, b).items()}
+              for a, b in bounds]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    start, lengths, slots = torch.zeros(2, dtype=torch.long), torch.tensor([24, 19]), torch.tensor([1, 0])
+
+    def staged(t, s0, ln):
+        h = None
+        for stage, st in zip(stages, states):
+            h = stage(t, s0, ln, slots, st, h=h)
+        return h
+
+    with torch.no_grad():
+        ref, got = model(tokens, start, lengths, slots, whole), staged(tokens, start, lengths)
+        assert torch.equal(ref, got)
+        one = torch.ones(2, dtype=torch.long)
+        for step in range(4):
+            nxt = ref.argmax(-1)[:, None]
+            ref, got = model(nxt, lengths + step, one, slots, whole), staged(nxt, lengths + step, one)
+            assert torch.equal(ref, got), step
+    for k, (a, b) in enumerate(bounds):
+        for name, (lo, hi) in layout.stage(a, b)[1].items():
+            assert torch.equal(whole[name][:, lo:hi], states[k][name]), (k, name)
+
+
+def test_stage_state_layout_renumbers_each_layers_rows() -> None:
+    """tiny: ratios (0, 4, 16, 4 | MTP 0); stage [1, 4) holds win_kv rows 1-3, both ratio-4 groups
+    and the ratio-16 group, renumbered from 0; stage [0, 1) only its window row."""
+    from dsv4.model.state import LayerState, StateLayout
+
+    cfg = ModelConfig.preset("tiny")
+    assert cfg.compress_ratios[:4] == (0, 4, 16, 4)
+    layout = StateLayout(cfg)
+    states, ranges = layout.stage(1, 4)
+    assert states == [LayerState(4, 0, 0), LayerState(16, 0, 1), LayerState(4, 1, 2)]
+    assert ranges["win_kv"] == (1, 4) and ranges["kv_r4"] == (0, 2) and ranges["idx_kv_r4"] == (0, 2)
+    assert ranges["cmp_kv_r16"] == (0, 1)
+    states, ranges = layout.stage(3, 4)
+    assert states == [LayerState(4, 0, 0)] and ranges["kv_r4"] == (1, 2) and "kv_r16" not in ranges
+    assert list(layout.stage_spec(2, torch.float32, 0, 1)) == ["win_kv"]
+    assert layout.stage_spec(2, torch.float32, 0, 1)["win_kv"][0] == (2, 1, cfg.sliding_window, cfg.head_dim)
+    with pytest.raises(ValueError, match="outside"):
+        layout.stage(2, 2)
+
+
+@pytest.mark.slow  # compiles (or reads) the cached pipeline and one-device exports
+def test_pipeline_export_equals_one_module(multidev_exports: dict[int, Path]) -> None:
+    """Two stage modules on two local devices, the streams through host memory: the same prefill and
+    decode logits as the one-module export of the same weights (bitwise: the same ops, the f32
+    crossing is exact) and the same greedy continuation; the config records the stages."""
+    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.module import PipelineModule
+
+    d = _export(2, pipeline=True)
+    cfg = ExportConfig.load(d)
+    assert cfg.pipeline == ((0, 2), (2, 4)) and cfg.n_devices == 2 and cfg.weight_devices == 1
+    assert [p.name for p in cfg.stage_vmfb_paths("llvm-cpu")] == ["model.stage0.llvm-cpu.vmfb",
+                                                                  "model.stage1.llvm-cpu.vmfb"]
+    assert {s.name.split(".")[0] for s in cfg.state} == {"stage0", "stage1"}
+    # the weights are the whole model's, one archive for both stages
+    assert cfg.weights == ExportConfig.load(_get(multidev_exports, 1)).weights
+    eng = Engine(d)
+    assert isinstance(eng.module, PipelineModule) and eng.module.devices[0] is not eng.module.devices[1]
+    ref = _run(_get(multidev_exports, 1))
+    for got in (_run(d), _run(d, stage_devices=[0, 0])):  # two devices; both stages on one
+        for a, b in zip(ref[:2], got[:2]):
+            assert np.array_equal(a, b), np.abs(a - b).max()
+        assert got[2] == ref[2]
+    from dsv4.runtime.errors import EngineError
+
+    with pytest.raises(EngineError, match="stage_devices must give a device index"):
+        Engine(d, stage_devices=[0])
+    with pytest.raises(EngineError, match="stage_devices is for pipeline exports"):
+        Engine(_get(multidev_exports, 1), stage_devices=[0, 0])
+
+
+@pytest.mark.slow  # compiles (or reads) the cached pipeline export
+def test_random_weights_of_a_pipeline_export_are_the_whole_models(tmp_path: Path) -> None:
+    """`dsv4 weights random` on a pipeline export writes the whole tensors once (every stage reads
+    the same archive): byte-equal to what the exporter wrote for the same seed."""
+    import shutil
+
+    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.runtime.random_weights import write_random_weights
+    from dsv4.runtime.weights import open_weights
+
+    d = _export(2, pipeline=True)
+    shutil.copyfile(d / "config.json", tmp_path / "config.json")
+    write_random_weights(tmp_path, SEED)
+    mine, exported = open_weights(ExportConfig.load(tmp_path).parameters), open_weights(ExportConfig.load(d).parameters)
+    assert set(mine) == set(exported) and not any(".shards." in k for k in mine)
+    for k in mine:
+        assert np.array_equal(mine.tensor(k), exported.tensor(k)), k
+
+
+def test_pipeline_requests_that_cannot_work_fail_before_tracing(tmp_path: Path) -> None:
+    from dsv4.export.exporter import ExportError, export_model
+    from dsv4.model.model import empty_model
+
+    cfg = ModelConfig.preset("tiny")  # 4 layers
+    for n, msg in ((5, "cannot split 4 layers into 5 pipeline stages"), (1, "at least 2 devices")):
+        with pytest.raises(ExportError, match=msg):
+            export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=n,
+                         pipeline=True)
+    assert not (tmp_path / "x").exists()
+
+
+def test_pipeline_config_is_validated(tmp_path: Path) -> None:
+    """A pipeline config.json whose stages do not tile the layers, or that lacks a target's stage
+    modules, is refused naming the field."""
+    from dsv4.runtime.artifact import ExportConfig, build_config
+    from dsv4.runtime.errors import ArtifactError
+
+    def raw(stages, vmfbs=("a.vmfb", "b.vmfb"), state=("stage0.kv", "stage1.kv")):
+        return build_config(model={"vocab_size": 8}, activation_dtype="float32", n_slots=1, max_seq_len=16,
+                            prefill_batch_sizes=[1], min_tokens=2, max_tokens=8, decode_batch_sizes=[1],
+                            score_batch_sizes=[], state=[{"name": n, "shape": [1, 2], "dtype": "float32"} for n in state],
+                            targets={"llvm-cpu": {"vmfb": vmfbs[0], "stages": list(vmfbs)}}, parameters="p.irpa",
+                            tokenizer=None, bos_token_id=None, eos_token_ids=[], export_id="x",
+                            devices={"count": 2, "split": "pipeline", "stages": stages})
+
+    assert ExportConfig.from_dict(raw([[0, 2], [2, 4]]), tmp_path).pipeline == ((0, 2), (2, 4))
+    with pytest.raises(ArtifactError, match="devices.stages"):
+        ExportConfig.from_dict(raw([[0, 2], [3, 4]]), tmp_path)
+    with pytest.raises(ArtifactError, match="targets.llvm-cpu.stages"):
+        ExportConfig.from_dict(raw([[0, 2], [2, 4]], vmfbs=("a.vmfb",)), tmp_path)
+    with pytest.raises(ArtifactError, match="stage<k>"):
+        ExportConfig.from_dict(raw([[0, 2], [2, 4]], state=("stage0.kv", "kv")), tmp_path)
+
+
+def test_cli_pipeline_needs_two_devices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dsv4.runtime.cli import main
+
+    assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--pipeline", "-o", str(tmp_path / "x")]) == 2
+    assert "--pipeline needs --devices N with N >= 2" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def _weight_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tu
             return any((w.spec(k) or ((), ""))[1] == "float8_e4m3fnuz" for k in w)
 
         files = next((g.files for g in groups if not fnuz(g.files)), groups[0].files)
-        return list(files), str(d), exp.n_devices
+        return list(files), str(d), exp.weight_devices
     paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
     return paths, ", ".join(str(p) for p in paths), 1
 
