@@ -75,8 +75,12 @@ def cmd_weights(args: argparse.Namespace) -> int:
     from .errors import EngineError
     from .random_weights import write_random_weights
 
+    if args.jobs < 1:
+        print(f"dsv4 weights: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
     try:
-        write_random_weights(args.export_dir, args.seed, force=args.force, progress=lambda s: print(s, flush=True))
+        write_random_weights(args.export_dir, args.seed, force=args.force, progress=lambda s: print(s, flush=True),
+                             jobs=args.jobs)
     except EngineError as err:  # the export directory: one line, like generate/score
         print(f"dsv4 weights: error: {err}", file=sys.stderr)
         return 2
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     wr.add_argument("--seed", type=int, default=0, help="random seed (default 0): the same seed gives the same "
                                                         "values on any host and in every FP8 flavour")
     wr.add_argument("--force", action="store_true", help="replace weight files that exist already")
+    wr.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="write N weight files at once, one process each (default 1); the bytes are the same")
     wr.set_defaults(fn=cmd_weights)
     add_runtime_parsers(sub)  # generate, score
     add_serve_parsers(sub)  # serve, bench serve

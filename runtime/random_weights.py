@@ -231,10 +231,12 @@ def random_tensors(specs: Sequence[TensorSpec], model: Mapping[str, Any], seed: 
 
 
 def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force: bool = False,
-                         progress: Callable[[str], None] | None = None) -> list[Path]:
+                         progress: Callable[[str], None] | None = None, jobs: int = 1) -> list[Path]:
     """Write every weight file config.json names (each flavour's), with random weights; returns the
     paths. ArtifactError when the directory is not an export with a weights inventory, or when weight
-    files exist already (unless `force`)."""
+    files exist already (unless `force`). `jobs` > 1 writes that many files at once, one process
+    each (every tensor has its own generator, so the bytes do not depend on it; Flash's 163 GB on a
+    many-core GPU host); exports cut per device are written by one process."""
     d = Path(export_dir)
     cfg = ExportConfig.load(d, weights=False)
     if cfg.weights is None or cfg.shard_bytes is None:
@@ -254,10 +256,41 @@ def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force:
         total = sum(s.nbytes for s in g.specs)
         log(f"random weights (seed {seed}) for {', '.join(g.targets)}: {len(g.specs)} tensors, {total / 1e9:.2f} GB "
             f"-> {len(g.files)} file(s){' (' + g.fp8_dtype + ')' if g.fp8_dtype else ''}")
+        if jobs > 1 and cfg.weight_devices == 1:
+            _write_parallel(d, g.specs, [f.name for f in g.files], cfg.model, seed, cfg.shard_bytes, jobs, log)
+            written += g.files
+            continue
         # a multi-device export gets the whole tensors cut per device: the same weights as one device's
-        whole = whole_inventory(g.specs, cfg.n_devices)
-        source = shard_tensors(random_tensors(whole, cfg.model, seed), cfg.n_devices)
+        whole = whole_inventory(g.specs, cfg.weight_devices)
+        source = shard_tensors(random_tensors(whole, cfg.model, seed), cfg.weight_devices)
         write_shards(d, checked(source, g.specs), shard_bytes=cfg.shard_bytes,
                      names=[f.name for f in g.files], progress=log, total_bytes=total)
         written += g.files
     return written
+
+
+def _write_one_file(d: Path, specs: Sequence[TensorSpec], name: str, model: Mapping[str, Any], seed: int,
+                    shard_bytes: int) -> str:
+    # a prefix of its own per file: write_shards names its temporary file after the prefix
+    write_shards(d, checked(random_tensors(specs, model, seed), specs), prefix=f".{name}", shard_bytes=shard_bytes,
+                 names=[name])
+    return name
+
+
+def _write_parallel(d: Path, specs: Sequence[TensorSpec], names: Sequence[str], model: Mapping[str, Any], seed: int,
+                    shard_bytes: int, jobs: int, log: Callable[[str], None]) -> None:
+    """The files of `names` (the shards `plan_shards` cuts `specs` into), `jobs` processes at a time."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    counts = plan_shards([s.nbytes for s in specs], shard_bytes)
+    starts = np.cumsum([0, *counts])
+    t0, done = time.perf_counter(), 0
+    with ProcessPoolExecutor(max_workers=min(jobs, len(names))) as pool:
+        futs = {pool.submit(_write_one_file, d, list(specs[starts[i]:starts[i + 1]]), names[i], model, seed,
+                            shard_bytes): sum(s.nbytes for s in specs[starts[i]:starts[i + 1]])
+                for i in range(len(names))}
+        for f in as_completed(futs):
+            f.result()
+            done += futs[f]
+            log(f"  {f.result()} written; {done / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s")

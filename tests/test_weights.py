@@ -696,3 +696,35 @@ def test_checkpoint_tensors_problems_before_the_first_tensor(tiny_ckpt: Path, tm
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a partial shard
     with pytest.raises(ValueError, match="fp8_dtype must be one of"):
         next(checkpoint_tensors(tiny_ckpt, wide, "float8_e5m2"))
+
+
+def test_random_weights_written_by_several_processes_are_the_same_bytes(tmp_path: Path) -> None:
+    """`dsv4 weights random OUT --jobs 3`: one process per file, each file byte-equal to the
+    one-process run (tiny preset's inventory cut into ~10 shards)."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import param_inventory
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import empty_model
+    from dsv4.runtime.artifact import build_config, write_config
+    from dsv4.runtime.random_weights import write_random_weights
+    from dsv4.runtime.weights import planned_names
+
+    cfg = ModelConfig.preset("tiny")
+    specs = param_inventory(empty_model(cfg, torch.float32))
+    shard = 600_000
+    names = planned_names(specs, "model", shard)
+    assert len(names) >= 4
+    raw = build_config(model=cfg.to_dict(), activation_dtype="float32", n_slots=1, max_seq_len=cfg.max_seq_len,
+                       prefill_batch_sizes=[1], min_tokens=16, max_tokens=32, decode_batch_sizes=[1],
+                       score_batch_sizes=[], state=[{"name": "kv", "shape": [1, 2], "dtype": "float32"}],
+                       targets={"llvm-cpu": {"vmfb": "m.vmfb"}}, parameters=names, tokenizer=None,
+                       bos_token_id=None, eos_token_ids=[], export_id="x",
+                       weights={"tensors": [s.to_json() for s in specs], "shard_bytes": shard})
+    for d, jobs in ((tmp_path / "one", 1), (tmp_path / "three", 3)):
+        d.mkdir()
+        write_config(d, raw)
+        write_random_weights(d, seed=5, jobs=jobs)
+    assert sorted(p.name for p in (tmp_path / "three").iterdir()) == sorted(names + ["config.json"])
+    for n in names:
+        assert (tmp_path / "one" / n).read_bytes() == (tmp_path / "three" / n).read_bytes(), n
