@@ -178,20 +178,15 @@ def _fp8_dtype(model: nn.Module, flavour: str) -> Iterator[None]:
 def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -> Iterator[tuple[str, "np.ndarray", str]]:
     """The model's own weights, one tensor at a time, as (parameter key, array in the dtype's storage
     type, dtype name), in state-dict order; for "fnuz" each e4m3fn weight and its block scale are
-    converted together (formats.fp8_fn_to_fnuz)."""
-    from dsv4.model.checkpoint.irpa import dtype_name
-    from dsv4.model.formats import fp8_fn_to_fnuz
-    from dsv4.runtime.weights import storage_dtype
+    converted together (checkpoint.irpa.archive_tensors)."""
+    from dsv4.model.checkpoint.irpa import archive_tensors
 
+    fp8 = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
     for mname, mod in model.named_modules():
-        own = {k: v for k, v in mod.named_parameters(recurse=False)}
         if flavour == "fnuz":
-            for pname, sname in list(_fp8_pairs(mod)):
-                own[pname], own[sname] = fp8_fn_to_fnuz(own[pname].data, own[sname].data)
-        for pname, t in own.items():
-            dt = dtype_name(t.dtype)
-            arr = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dt))
-            yield f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}", arr.reshape(t.shape), dt
+            list(_fp8_pairs(mod))  # every FP8 weight has its scale (ExportError otherwise)
+        own = {k: v.data for k, v in mod.named_parameters(recurse=False)}
+        yield from archive_tensors(own, fp8, f"{prefix}{mname}." if mname else prefix)
 
 
 def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target]) -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,9 +22,11 @@ from dsv4.runtime.artifact import DTYPES, FP8_DTYPES, PARAM_PREFIX, ExportConfig
 from .common import CheckpointError, no_param_init
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..config import ModelConfig
 
-__all__ = ["dtype_name", "param_inventory", "load_irpa", "load_export_model"]
+__all__ = ["dtype_name", "param_inventory", "archive_tensors", "load_irpa", "load_export_model"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,6 +35,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name not in DTYPES:
         raise ValueError(f"no weights dtype for {dtype}")
     return name
+
+
+def archive_tensors(tensors: dict[str, torch.Tensor], fp8_dtype: str = "float8_e4m3fn", prefix: str = ""
+                    ) -> Iterator[tuple[str, "np.ndarray", str]]:
+    """One unit of tensors (a module's parameters, a checkpoint unit; names ending in their leaf) as
+    `runtime.weights.write_shards` takes them: (prefix + name, array in the dtype's storage type,
+    dtype name), emptying `tensors` on the way (each is dropped once yielded). With fp8_dtype
+    "float8_e4m3fnuz" every e4m3fn weight is converted together with its block scale
+    (`weight_of_scale` pairs them; formats.fp8_fn_to_fnuz: 0x80 -> 0x00, scale x2)."""
+    from dsv4.runtime.random_weights import weight_of_scale
+    from dsv4.runtime.weights import storage_dtype
+
+    from ..formats import fp8_fn_to_fnuz
+
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
+    names = {n: dtype_name(t.dtype) for n, t in tensors.items()}
+    if fp8_dtype == "float8_e4m3fnuz":
+        for sname in list(tensors):
+            owner = weight_of_scale(sname)
+            if owner in tensors and tensors[owner].dtype == torch.float8_e4m3fn:
+                tensors[owner], tensors[sname] = fp8_fn_to_fnuz(tensors[owner], tensors[sname])
+                names[owner] = fp8_dtype
+    for n in list(tensors):
+        t = tensors.pop(n).detach().contiguous()
+        yield prefix + n, t.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(names[n])).reshape(t.shape), names[n]
 
 
 def param_inventory(model: nn.Module, prefix: str = PARAM_PREFIX) -> list[TensorSpec]:

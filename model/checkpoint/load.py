@@ -25,7 +25,6 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsv4.runtime.artifact import FP8_DTYPES, PARAM_PREFIX
-from dsv4.runtime.weights import storage_dtype
 
 from ..config import ConfigError, ModelConfig
 from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode
@@ -376,10 +375,7 @@ def checkpoint_tensors(ckpt: Checkpoint | str | os.PathLike, model: Transformer,
     but 0x80 -> 0x00, block scale x2, formats.fp8_fn_to_fnuz). Structural problems raise one
     CheckpointError before the first tensor; value problems one after the last. Memory: one unit
     (at most a stacked expert tensor or the head) plus its conversion."""
-    from dsv4.runtime.random_weights import weight_of_scale
-
-    from ..formats import fp8_fn_to_fnuz
-    from .irpa import dtype_name
+    from .irpa import archive_tensors
 
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
@@ -396,17 +392,8 @@ def checkpoint_tensors(ckpt: Checkpoint | str | os.PathLike, model: Transformer,
     plan = _plan(targets, ckpt.entries, model.cfg.n_routed_experts, check_values, ignore)
     if plan.problems:
         raise CheckpointError(ckpt.path, plan.problems)
-    fnuz = fp8_dtype == "float8_e4m3fnuz"
     for out in _fill(ckpt, plan, lambda n: torch.empty(targets[n].shape, dtype=targets[n].dtype), progress):
-        names = {n: dtype_name(t.dtype) for n, t in out.items()}
-        for sname, owner in ((n, weight_of_scale(n)) for n in list(out)):
-            if fnuz and owner in out and out[owner].dtype == torch.float8_e4m3fn:
-                out[owner], out[sname] = fp8_fn_to_fnuz(out[owner], out[sname])
-                names[owner] = fp8_dtype
-        for n in list(out):
-            t = out.pop(n)  # dropped here once yielded: memory holds one unit
-            yield prefix + n, t.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(names[n])).reshape(t.shape), names[n]
-        t = None
+        yield from archive_tensors(out, fp8_dtype, prefix)  # empties `out`: memory holds one unit
 
 
 def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | None]:
