@@ -157,10 +157,7 @@ class IreeModule:
 
     def call(self, name: str, *args: Any) -> Any:
         """Invoke ``name``; numpy results (a tuple when the function returns several)."""
-        res = self.function(name)(*args)
-        if isinstance(res, (tuple, list)):
-            return tuple(_to_host(r) for r in res)
-        return _to_host(res)
+        return _host_results(self.function(name)(*args))
 
     __call__ = call
 
@@ -244,10 +241,8 @@ class PipelineModule:
         return self.stages[0].device_array(host)
 
     def call(self, name: str, *args: Any) -> Any:
-        res = self.function(name)(*args)
-        if isinstance(res, (tuple, list)):
-            return tuple(_to_host(r) for r in res)
-        return _to_host(res)
+        """Run ``name`` through every stage; numpy results as `IreeModule.call`."""
+        return _host_results(self.function(name)(*args))
 
     __call__ = call
 
@@ -292,6 +287,13 @@ def _check_parameters(index: Any, expect: Sequence[TensorSpec], paths: Sequence[
         files = ", ".join(p.name for p in paths)
         raise ArtifactError(f"the weights in {files} do not match config.json's inventory: "
                             f"{'; '.join(problems[:5])}{more}")
+
+
+def _host_results(res: Any) -> Any:
+    """An invoker's results on the host: numpy arrays (a tuple when the function returns several)."""
+    if isinstance(res, (tuple, list)):
+        return tuple(_to_host(r) for r in res)
+    return _to_host(res)
 
 
 def _to_host(x: Any) -> Any:
