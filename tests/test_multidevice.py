@@ -427,3 +427,24 @@ def test_cli_pipeline_needs_two_devices(tmp_path: Path, capsys: pytest.CaptureFi
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--pipeline", "-o", str(tmp_path / "x")]) == 2
     assert "--pipeline needs --devices N with N >= 2" in capsys.readouterr().err
+
+
+def test_cuda_async_allocations_are_turned_off_before_a_multi_gpu_engine() -> None:
+    """IREE 3.13's cuda driver hangs or aborts (queue.dealloca) when one process drives two GPUs with
+    stream-ordered allocations; the runtime parses --cuda_async_allocations=false before the driver
+    exists, and refuses (one clear error) once a one-GPU cuda device was opened first. Run in fresh
+    interpreters: the flag and the driver are per process."""
+    import subprocess
+    import sys
+
+    code = ("from dsv4.runtime import module as m\n"
+            "m._cuda_for_several_gpus('local-task'); assert not m._cuda_several\n"  # other drivers: untouched
+            "m._cuda_for_several_gpus('cuda'); assert m._cuda_several\n"
+            "m._cuda_for_several_gpus('cuda')\n")  # once is enough
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+    code = ("from dsv4.runtime import module as m\n"
+            "from dsv4.runtime.errors import EngineError\n"
+            "m._cuda_opened = True\n"  # what _open_devices records for a one-GPU cuda module
+            "try:\n    m._cuda_for_several_gpus('cuda')\nexcept EngineError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "open the multi-GPU engine first" in out.stdout, out.stderr
