@@ -205,11 +205,13 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
-    if impl != "kernel":  # the MXFP4 linears have one kernel: checked once, with impl "kernel"
+    if impl in ("kernel_fp8", "kernel_f32"):  # the FP8 linears' GEMM forms
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
+    elif impl == "kernel_bf16":  # the MXFP4 linears' matrix-core form (the gathered one has none)
+        cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked")}
     mlir = _export(cases, tmp_path / "lin.mlir", impl)
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():

@@ -61,6 +61,7 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_f32" dequantizes
 # the weight into an f32 GEMM (the form before it; also what ragged N/K shapes always get)
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_fp8": {"gemm": "fp8"}}
+_MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}}  # MXFP4 x bf16 activation on the matrix cores (exact operands)
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -125,7 +126,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
 
 @kernel("mxfp4_linear", args={"x": "..., K", "packed": "N, KP", "scale": "N, KS"}, results={"y": "..., N"},
         static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]}, mlir=_MLIR,
-        export="kernel")
+        mlir_variants=_MXFP4_GEMMS, export="kernel")
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 
@@ -170,7 +171,7 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
-        mlir=_MLIR, export="kernel")
+        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, export="kernel")
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
