@@ -51,8 +51,11 @@ def build(out: Path, target: str, flag: bool) -> Path:
     if flag:
         forms["gathered"] = "kernel"
     for name, form in forms.items():
-        with torch.no_grad(), use_kernels({"mxfp4_linear_gathered": "kernel", "mxfp4_linear_stacked": form}):
-            fxb.export_program(lambda m, x, packed, scale, sel, g=name == "gathered": m(x, packed, scale, sel, g),
+        gathered = name == "gathered"
+        choice = {"mxfp4_linear_gathered": form if gathered else "kernel",
+                  "mxfp4_linear_stacked": "kernel" if gathered else form}
+        with torch.no_grad(), use_kernels(choice):
+            fxb.export_program(lambda m, x, packed, scale, sel, g=gathered: m(x, packed, scale, sel, g),
                                name=name, args=args, dynamic_shapes=dyn, strict=False)
     out.mkdir(parents=True, exist_ok=True)
     tag = ".flag" if flag else ""
