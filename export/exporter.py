@@ -500,6 +500,9 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     fp8 = _has_fp8(model)
     for t in tgts:
         groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
+    # the e4m3fn group first, whatever the targets' order: config.json's shared weights (and inventory)
+    # are then always e4m3fn, and a second group's own files always e4m3fnuz (labelled below)
+    groups = dict(sorted(groups.items(), key=lambda kv: kv[0] != "default"))
     target_info: dict[str, dict[str, Any]] = {}
     first_files: list[str] = []
     first_specs: list[Any] = []
@@ -552,7 +555,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                 info["stages"] = vmfbs
             if suffix:  # this group's own weight files: the inventory with its FP8 dtype
                 info["parameters"] = files
-                info["fp8_dtype"] = "float8_e4m3fnuz"
+                info["fp8_dtype"] = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
             target_info[t.name] = info
         if not keep_mlir:
             for mlir_path, _ in mlirs:

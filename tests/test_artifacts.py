@@ -329,3 +329,50 @@ def test_ctrl_c_while_generating_exits_130_and_frees_the_slot(toy: Path, capsys,
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
     assert engines[0].slots.n_free == engines[0].config.n_slots and not engines[0].has_work
+
+
+@pytest.mark.parametrize("order", [["gfx942", "llvm-cpu"], ["llvm-cpu", "gfx942"]])
+def test_each_weight_group_is_labelled_with_the_fp8_flavour_its_files_hold(order, tmp_path: Path, monkeypatch) -> None:
+    """Targets of both FP8 flavours in either order (the minutes-long stages replaced): every target's
+    weight group says the FP8 dtype its files really hold (gfx942: e4m3fnuz, llvm-cpu: e4m3fn), and
+    the bytes are the fn->fnuz conversion of each other. A gfx942-first order used to label the
+    llvm-cpu group e4m3fnuz over e4m3fn files (a wrong-format read on MI300X's side of the bug)."""
+    pytest.importorskip("torch")
+    import numpy as np
+    import torch
+
+    from dsv4.export import exporter
+    from dsv4.export.compile import CompileResult
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.model.model import Transformer
+    from dsv4.runtime.weights import open_weights
+
+    monkeypatch.setattr(exporter, "_build_mlir", lambda *a, **k: a[9].write_text("module {}"))
+    monkeypatch.setattr(exporter, "compile_mlir", lambda mlir, target, vmfb, extra=(), log_path=None: (
+        Path(vmfb).write_text("module"), CompileResult(Path(vmfb), 0.0, ()))[1])
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg, dtype=torch.float32, quantized=True)
+    with torch.no_grad():
+        for p in model.parameters():  # finite FP8 codes, E8M0 scales of 2^-7, anything else 0
+            if p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape) * 0.05).to(torch.float8_e4m3fn))
+            else:
+                p.copy_(torch.full(p.shape, 120, dtype=p.dtype) if p.dtype == torch.uint8 else torch.zeros(p.shape))
+    model.layers[0].attn.wq_a.weight.data.view(torch.uint8)[0, 0] = 0x80  # -0: the code the formats disagree on
+    exporter.export_model(model, cfg, tmp_path / "out", targets=order, batch_sizes=[1], score=False)
+    exp = ExportConfig.load(tmp_path / "out")
+    held = {}
+    for g in exp.weight_groups():
+        got = open_weights(g.files)
+        dtypes = {got.spec(k)[1] for k in got} & {"float8_e4m3fn", "float8_e4m3fnuz"}
+        assert {s.dtype for s in g.specs} & dtypes == dtypes and len(dtypes) == 1, (g.targets, dtypes)
+        for t in g.targets:
+            held[t] = (dtypes.pop(), got)
+    assert held["gfx942"][0] == "float8_e4m3fnuz" and held["llvm-cpu"][0] == "float8_e4m3fn"
+    key = "model.layers.0.attn.wq_a"
+    fn_w, fn_s = torch.from_numpy(np.array(held["llvm-cpu"][1].tensor(f"{key}.weight"))), \
+        torch.from_numpy(np.array(held["llvm-cpu"][1].tensor(f"{key}.scale")))
+    nz_w, nz_s = fp8_fn_to_fnuz(fn_w.view(torch.float8_e4m3fn), fn_s)
+    assert np.array_equal(held["gfx942"][1].tensor(f"{key}.weight").view(np.uint8), nz_w.view(torch.uint8).numpy())
+    assert np.array_equal(held["gfx942"][1].tensor(f"{key}.scale").view(np.uint8), nz_s.view(torch.uint8).numpy())
