@@ -240,3 +240,23 @@ def test_layer_with_quant_sims_matches_float64_reference(captured, ratio):
               f"ratio {err / sim:.2e}")
         assert sim > 1e-3 * float(on[name].norm()), f"{name}: the simulations should change the result"
         assert err < CLOSE * sim, f"layer {i} {name}: model is {err / sim:.2f} of the way from 'on' to 'off'"
+
+
+def test_pow2_block_scale_is_the_references_exponent_bit_ceil() -> None:
+    """2^ceil(log2(amax / max)) as the reference computes it (fast_log2_ceil: the exponent bits of the
+    float32 ratio, +1 when its mantissa is non-zero), for random ratios and for ratios one ulp on either
+    side of a power of two, where a float32 log2 rounds onto the power and ceil misses the +1."""
+    import numpy as np
+
+    from dsv4.model.kernels.qdq import pow2_block_scale
+
+    g = torch.Generator().manual_seed(0)
+    pows = torch.exp2(torch.arange(-30, 30, dtype=torch.float32))
+    ratios = torch.cat([torch.rand(4096, generator=g) * 10.0 ** torch.randint(-8, 8, (4096,), generator=g),
+                        pows, torch.nextafter(pows, pows * 2), torch.nextafter(pows, pows / 2)]).float()
+    for fmt_max in (448.0, 6.0):
+        amax = ratios * fmt_max
+        r = (amax / fmt_max).numpy().view(np.int32)
+        e = ((r >> 23) & 0xFF) - 127 + ((r & 0x7FFFFF) != 0)
+        want = torch.from_numpy(np.ldexp(1.0, e).astype(np.float32))
+        assert torch.equal(pow2_block_scale(amax, fmt_max), want), fmt_max

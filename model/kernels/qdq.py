@@ -56,8 +56,13 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_block_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """The reference's E8M0 activation scale: 2^ceil(log2(amax / fmt_max))."""
-    return torch.exp2(torch.ceil(torch.log2(amax / fmt_max)))
+    """The reference's E8M0 activation scale: 2^ceil(log2(amax / fmt_max)), exactly (the reference reads
+    the exponent bits: fast_log2_ceil). A float32 log2 rounds a ratio within an ulp above a power of two
+    down onto it, so the candidate is corrected with exact comparisons against the ratio."""
+    r = amax / fmt_max
+    s = torch.exp2(torch.ceil(torch.log2(r)))
+    s = torch.where(s < r, s * 2, s)
+    return torch.where(s * 0.5 >= r, s * 0.5, s)
 
 
 def block_qdq(xb: torch.Tensor, fp4: bool) -> torch.Tensor:
