@@ -66,7 +66,10 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-m", "dsv4.runtime.cli", "export", "--preset", "tiny", "--dtype", "fp32",
                           "--target", "llvm-cpu", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=REPO)
+                         text=True, cwd=REPO,
+                         # a shell's background job (`cmd &`) runs with SIGINT ignored, and an ignored
+                         # signal stays ignored across exec: Python then never raises KeyboardInterrupt
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     line = ""
     while "exporting" not in line and time.time() < deadline:  # wait until tracing has begun
