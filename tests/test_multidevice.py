@@ -176,8 +176,9 @@ def test_shard_tensors_cuts_whole_tensors_into_the_device_keys() -> None:
 
 
 def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Path) -> None:
-    """bench/two_devices.mlir, the minimal module of docs/scale.md (fails across two CUDA GPUs with
-    IREE 3.13): compiled for two local devices, run on two local-task devices in one context."""
+    """bench/two_devices.mlir, the minimal module of docs/scale.md (hangs across two CUDA GPUs with
+    IREE 3.13's async allocations, runs without them): compiled for two local devices, run on two
+    local-task devices in one context."""
     import iree.runtime as rt
 
     from dsv4.export.compile import compile_mlir, resolve_target
