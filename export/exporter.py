@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   function_abi, new_export_id, shard_inventory, staged_export, write_config)
+                                   function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
+                                   write_config)
 
 from . import compat as _compat
 from .compile import GPU_REDUCTION_FLAG, CompileError, Target, check_target, compile_mlir
@@ -478,10 +479,13 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     from dsv4.model.state import StateLayout, state_spec
     from dsv4.runtime.weights import SHARD_BYTES
 
-    from .pipeline import Stage, pipeline_layout, stage_bounds, stage_state_name
+    from .pipeline import Stage, pipeline_layout, stage_bounds
+
+    from .model_kernels import resolve_choices
 
     export_id = new_export_id()
     timings: dict[str, float] = {}
+    gathered_kernel = resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel"
     # the modules to build: the whole model (over `devices` HAL devices), or one per pipeline stage,
     # each as (model or Stage, its state spec, its name in the files, its name in config.json's state)
     if pipeline:
@@ -492,8 +496,9 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         parts = [(model, state_spec(cfg, n_slots, act), "", None)]
     state_list = [{"name": n if k is None else stage_state_name(k, n), "shape": list(shape),
                    "dtype": STATE_DTYPE_NAMES[dt]} for _, spec, _, k in parts for n, (shape, dt) in spec.items()]
-    module_devices = 1 if pipeline else devices  # HAL devices each module drives
-    weight_devices = 1 if pipeline else devices  # a pipeline's stages share the whole model's weights
+    # HAL devices each module drives, and the devices the weights are cut for: a pipeline's stages are
+    # one-device modules sharing the whole model's weights
+    per_module = 1 if pipeline else devices
 
     # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
     groups: dict[str, list[Target]] = {}
@@ -514,35 +519,33 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             + (f", {devices} devices" if devices > 1 else "") + (" (pipeline stages)" if pipeline else ""))
         with _fp8_dtype(model, flavour):
             whole = param_inventory(model)  # what a weight source is asked for
-            specs = shard_inventory(whole, weight_devices)  # the vmfb's keys: per device when devices > 1
+            specs = shard_inventory(whole, per_module)  # the vmfb's keys: per device when devices > 1
             mlirs = []
             for part, spec, name, k in parts:
                 mlir_path = stage / f"model{suffix}{name}.mlir"
                 if k is not None:
                     log(f"pipeline stage {k}: layers [{part.first}, {part.last})")
-                with sharded(model, module_devices):
+                with sharded(model, per_module):
                     if k is None:
                         _check_shards(param_inventory(model), specs)
                     _build_mlir(part, spec, cfg, bs, dec_bs, score_bs, min_tokens, max_chunk, export_id, mlir_path,
                                 log, timings, tag + name, probe_topk, kernels)
                 mlirs.append((mlir_path, name))
-        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, weight_devices, weights, out,
+        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, per_module, weights, out,
                                log, timings, tag)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
+            flags = list(extra_flags)
+            if t.name != "llvm-cpu" and gathered_kernel:
+                flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
             vmfbs, flags_used, seconds = [], (), 0.0
             for mlir_path, name in mlirs:
                 vmfb = stage / f"model{name}.{t.name}.vmfb"
                 log(f"compiling {t.label}{name} ...")
                 try:
                     with _heartbeat(log, f"compiling {t.label}{name}"):
-                        from .model_kernels import resolve_choices
-
-                        flags = list(extra_flags)
-                        if t.name != "llvm-cpu" and resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel":
-                            flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
-                        res = compile_mlir(mlir_path, t.with_devices(module_devices), vmfb, flags,
+                        res = compile_mlir(mlir_path, t.with_devices(per_module), vmfb, flags,
                                            log_path=out.parent / f"{out.name}.{t.name}.log")
                 except CompileError as e:
                     raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None

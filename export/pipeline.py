@@ -7,10 +7,11 @@ serves all of them and each module loads only the tensors it reads. Between stag
 moves the residual streams `[B,T,hc,d]` through host memory once per call (runtime/module.py
 `PipelineModule`), which needs no peer access between the GPUs: IREE 3.13's CUDA driver has none, so
 this is how an export runs on two or more H200s (docs/scale.md). Each stage owns the state of its
-layers only (model/state.py `StateLayout.stage`), named ``stage{k}.<tensor>`` in config.json.
+layers only (model/state.py `StateLayout.stage`), named ``stage{k}.<tensor>`` in config.json
+(runtime/artifact.py `stage_state_name`: the naming is part of the export contract).
 
 The streams cross as float32: the model carries them in its activation dtype (bf16 or fp32), both
-exactly representable in fp32, so the split changes no bit of any result (tests/test_pipeline.py).
+exactly representable in fp32, so the split changes no bit of any result (tests/test_multidevice.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsv4.model.model import Batch, final_logits
+from dsv4.model.model import Batch, embed_streams, final_logits, rope_of
 from dsv4.model.state import StateLayout
 
-__all__ = ["Stage", "stage_bounds", "check_pipeline", "pipeline_layout", "stage_state_name"]
+__all__ = ["Stage", "stage_bounds", "check_pipeline", "pipeline_layout"]
 
 
 def stage_bounds(n_layers: int, n: int) -> list[tuple[int, int]]:
@@ -38,11 +39,6 @@ def check_pipeline(cfg: Any, n: int) -> None:
         raise ValueError(f"a pipeline needs at least 2 devices, got {n!r}")
     if n > cfg.n_layers:
         raise ValueError(f"cannot split {cfg.n_layers} layers into {n} pipeline stages (one layer each at least)")
-
-
-def stage_state_name(k: int, name: str) -> str:
-    """config.json's name of stage k's state tensor `name` (the stage's module calls it `name`)."""
-    return f"stage{k}.{name}"
 
 
 def pipeline_layout(cfg: Any, n: int) -> dict[str, Any]:
@@ -87,10 +83,9 @@ class Stage(nn.Module):
                 state: dict[str, torch.Tensor], h: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         b = Batch.make(tokens, start_pos, lengths, slots)
-        rope = {k: {"cos": getattr(self, f"rope_{k}_cos"), "sin": getattr(self, f"rope_{k}_sin")}
-                for k in ("window", "compressed")}
+        rope = rope_of(self)
         if self.is_first:
-            h = self.embed(tokens)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1)
+            h = embed_streams(self.embed, tokens, self.cfg.hc_mult)
         elif h is None:
             raise ValueError(f"stage [{self.first}, {self.last}) continues from the streams of the stage before it")
         else:

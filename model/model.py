@@ -511,6 +511,17 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return (pre[..., None] * h.float()).sum(2).to(h.dtype)
 
 
+def rope_of(m: nn.Module) -> dict:
+    """{"window"|"compressed": {"cos", "sin"}}: the RoPE tables `m` holds as buffers rope_<kind>_<part>
+    (a Transformer, or a pipeline stage that registers the same buffers)."""
+    return {k: {"cos": getattr(m, f"rope_{k}_cos"), "sin": getattr(m, f"rope_{k}_sin")} for k in ("window", "compressed")}
+
+
+def embed_streams(embed: nn.Embedding, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """Token embeddings as the n mHC residual streams [B,T,n,d] (every stream starts equal)."""
+    return embed(tokens)[:, :, None, :].expand(-1, -1, n, -1)
+
+
 def final_logits(h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, fn: torch.Tensor, base: torch.Tensor,
                  scale: torch.Tensor, norm: RMSNorm, head: nn.Linear, cfg: ModelConfig) -> torch.Tensor:
     """Streams [B,T,n,d] -> fp32 logits: [B,V] at each row's last real token, or [B,T,V] with all_logits."""
@@ -609,15 +620,14 @@ class Transformer(nn.Module):
             self.register_buffer(f"rope_{kind}_sin", sin, persistent=False)
 
     def _rope(self) -> dict:
-        return {k: {"cos": getattr(self, f"rope_{k}_cos"), "sin": getattr(self, f"rope_{k}_sin")}
-                for k in ("window", "compressed")}
+        return rope_of(self)
 
     def hidden(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Backbone streams after the last block, [B,T,n,d] (what MTP consumes)."""
         b = Batch.make(tokens, start_pos, lengths, slots)
         rope = self._rope()
-        h = self.embed(tokens)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1)
+        h = embed_streams(self.embed, tokens, self.cfg.hc_mult)
         for i, layer in enumerate(self.layers):
             h = layer(h, b, self.layout.layers[i], state, rope, tokens)
         return h

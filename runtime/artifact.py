@@ -69,6 +69,7 @@ __all__ = [
     "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
     "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
+    "stage_state_name", "state_stage",
 ]
 
 FORMAT = "dsv4-iree-export"
@@ -361,6 +362,18 @@ def whole_key(key: str) -> tuple[str, int] | None:
     return None if m is None else (f"{m.group(1)}.{m.group(3)}", int(m.group(2)))
 
 
+def stage_state_name(k: int, name: str) -> str:
+    """config.json's name of pipeline stage k's state tensor `name` (the stage's module calls it `name`)."""
+    return f"stage{k}.{name}"
+
+
+def state_stage(name: str) -> tuple[int | None, str]:
+    """(pipeline stage, the stage module's own name) of a config.json state name; (None, name) for
+    a one-module export's tensor."""
+    m = re.fullmatch(r"stage(\d+)\.(.+)", name)
+    return (None, name) if m is None else (int(m.group(1)), m.group(2))
+
+
 def whole_inventory(specs: Sequence["TensorSpec"], n: int) -> list["TensorSpec"]:
     """The inventory of whole tensors an n-device inventory was cut from (shard 0 keeps the place)."""
     out: list[TensorSpec] = []
@@ -579,8 +592,8 @@ class ExportConfig:
                 vm = info.get("stages")
                 _need(isinstance(vm, list) and len(vm) == len(stages) and all(isinstance(v, str) for v in vm), p,
                       f"targets.{t}.stages: a pipeline export needs one vmfb per stage ({len(stages)}), got {vm!r}")
-            owners = {s.name.split(".", 1)[0] for s in specs}
-            _need(owners == {f"stage{k}" for k in range(len(stages))}, p,
+            owners = {state_stage(s.name)[0] for s in specs}
+            _need(owners == set(range(len(stages))), p,
                   "state: a pipeline export names each state tensor stage<k>.<name>, every stage at least one")
         else:
             _need(dev.get("split") in (None, "module"), p, f"devices.split: unknown split {dev.get('split')!r}")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .artifact import whole_key
+from .artifact import state_stage, whole_key
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile"]
@@ -200,7 +200,7 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
     s = 0.0
     for spec in state:
         per_slot = spec.nbytes / spec.shape[0]
-        name = spec.name.rsplit(".", 1)[-1]  # a pipeline stage's "stage<k>.kv_r4" is a kv_r4
+        name = state_stage(spec.name)[1]  # a pipeline stage's "stage<k>.kv_r4" is a kv_r4
         if name.startswith(("kv_r", "idx_kv_r")):  # [slots, layers, max_seq/r + 1, dim]
             r = int(name.rsplit("_r", 1)[1])
             rows = min(context, max_seq_len) // r

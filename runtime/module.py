@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb
+from .artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb, state_stage
 from .errors import ArtifactError, EngineError
 
 __all__ = ["IreeModule", "PipelineModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
@@ -200,7 +200,7 @@ class PipelineModule:
         self.device = self.devices[0]
         self.vmfb_path = self.stages[0].vmfb_path
         # which state arguments (in config.json order) each stage takes
-        self._owner = [_stage_of(s) for s in state]
+        self._owner = [state_stage(s.name)[0] for s in state]
         self._calls: dict[str, Any] = {}
 
     @property
@@ -234,7 +234,7 @@ class PipelineModule:
         return call
 
     def zeros(self, spec: StateSpec) -> Any:
-        return self.stages[_stage_of(spec)].zeros(spec)
+        return self.stages[state_stage(spec.name)[0]].zeros(spec)
 
     def device_array(self, host: np.ndarray) -> Any:
         return self.stages[0].device_array(host)
@@ -286,11 +286,6 @@ def _check_parameters(index: Any, expect: Sequence[TensorSpec], paths: Sequence[
         files = ", ".join(p.name for p in paths)
         raise ArtifactError(f"the weights in {files} do not match config.json's inventory: "
                             f"{'; '.join(problems[:5])}{more}")
-
-
-def _stage_of(spec: StateSpec) -> int:
-    """The pipeline stage a state tensor belongs to (config.json names it ``stage<k>.<name>``)."""
-    return int(spec.name.split(".", 1)[0].removeprefix("stage"))
 
 
 def _host_results(res: Any) -> Any:
