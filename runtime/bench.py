@@ -5,8 +5,9 @@
 
 Reports decode ms/step and tokens/s per batch and context length, prefill tokens/s, time to first
 token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
-where the driver allows, the top dispatches by time (IREE's HAL profiling). This module imports only numpy and
-iree.runtime; the torch backends (`dsv4.model.bench_torch`) load only when --compare names them.
+where the driver allows, the top dispatches by time (IREE's HAL profiling; Nsight Compute on cuda).
+This module imports only numpy and iree.runtime; the torch backends (`dsv4.model.bench_torch`) load
+only when --compare names them.
 
 One protocol for every backend (`measure`), so the numbers are comparable:
 * context C at batch B: rows 0..B-1 are prefilled with F = C - W - N tokens in chunks of the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +35,7 @@ import numpy as np
 from .artifact import state_stage, whole_key
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
-           "TORCH_BACKENDS", "BenchError", "dispatch_profile"]
+           "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table"]
 
 TORCH_BACKENDS = ("torch-eager", "torch-compile")
 
@@ -214,7 +216,8 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
 # --------------------------------------------------------------------------------------------
 # per-dispatch profile: IREE's HAL-native profiling (3.13), through the runtime wheel's own tools
 # (the Python bindings do not expose a profile sink): iree-benchmark-module runs decode_bs{B} with
-# --device_profiling_mode, iree-profile reads the bundle back.
+# --device_profiling_mode, iree-profile reads the bundle back. The CUDA HAL has none, so on cuda the
+# same run goes under Nsight Compute when `ncu` is installed.
 PROFILE_MODES = {"cuda": "dispatch-events", "hip": "dispatch-events", "local-task": "host-execution",
                  "local-sync": "host-execution"}
 _SPLAT_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int64": "i64", "int32": "i32",
@@ -258,6 +261,9 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         last = (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
+        if device == "cuda" and "UNIMPLEMENTED" in last and shutil.which("ncu"):
+            # IREE 3.13's CUDA HAL has no native profiling: time every kernel with Nsight Compute instead
+            return _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
         return {"available": False, "why": f"iree-benchmark-module failed: {last[:300]}"}
     rep = subprocess.run([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)],
                          capture_output=True, text=True)
@@ -272,6 +278,57 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
             "dispatches_per_step": sum(g["count"] for g in groups) / calls, "device_ms_per_step": total / calls / 1e6,
             "top": [{"name": g["key"], "ms_per_step": g["total_ns"] / calls / 1e6,
                      "calls_per_step": g["count"] / calls, "share": g["total_ns"] / total} for g in top]}
+
+
+def _ncu_profile(cmd: list[str], batch: int, steps: int, workdir: Path) -> dict[str, Any]:
+    """dispatch_profile through Nsight Compute: `cmd` (iree-benchmark-module running `steps` decode
+    calls) under `ncu`, one kernel-duration metric (one pass, no replay); the clocks left alone."""
+    import subprocess
+
+    log = workdir / "ncu.csv"
+    ncu = ["ncu", "--csv", "--metrics", "gpu__time_duration.sum", "--clock-control", "none",
+           "--log-file", str(log)]
+    run = subprocess.run(ncu + cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not log.exists():
+        last = (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
+        return {"available": False, "why": f"ncu failed: {last[:300]}"}
+    return kernel_table(log.read_text(), batch, steps, "Nsight Compute (gpu__time_duration)")
+
+
+_NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
+
+
+def kernel_table(csv_text: str, batch: int, steps: int, via: str) -> dict[str, Any]:
+    """dispatch_profile's summary from ncu's CSV (one row per kernel launch): the module initializers'
+    kernels and any launched fewer than `steps` times are left out; the rest is per decode call."""
+    import csv
+    import io
+
+    lines = csv_text.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if head is None:
+        return {"available": False, "why": "ncu recorded no kernels"}
+    total_ns: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[head:]))):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = row["Kernel Name"]
+        ns = float(row["Metric Value"].replace(",", "")) * _NS[row["Metric Unit"]]
+        total_ns[name] = total_ns.get(name, 0.0) + ns
+        count[name] = count.get(name, 0) + 1
+    # module initializers (IREE names them _initializer_N) run at load, several times when weights share a shape
+    keep = [k for k in total_ns if count[k] >= steps and "_initializer_" not in k]
+    if not keep:
+        return {"available": False, "why": f"no kernel ran {steps} times"}
+    total = sum(total_ns[k] for k in keep)
+    top = sorted(keep, key=lambda k: -total_ns[k])[:10]
+    return {"available": True, "via": via, "batch": batch, "calls": steps,
+            "dispatches_per_step": sum(count[k] for k in keep) / steps, "device_ms_per_step": total / steps / 1e6,
+            "top": [{"name": k, "ms_per_step": total_ns[k] / steps / 1e6, "calls_per_step": count[k] / steps,
+                     "share": total_ns[k] / total} for k in top],
+            "kernels": [{"name": k, "ms_per_step": total_ns[k] / steps / 1e6, "calls_per_step": count[k] / steps}
+                        for k in sorted(keep, key=lambda k: -total_ns[k])]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,6 +111,27 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     np.testing.assert_array_equal(iree_first, torch_first)
 
 
+def test_ncu_kernel_table_per_step_arithmetic() -> None:
+    """The cuda profile's fallback reads ncu's CSV: units converted, the initializer's kernels (fewer
+    launches than calls) left out, per-step time and share by hand."""
+    from dsv4.runtime.bench import kernel_table
+
+    head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows = [("__init_dispatch_0", "usecond", "500")] + [("_initializer_3_dispatch_0_decode", "usecond", "9")] * 3
+    for _ in range(3):  # three decode calls
+        rows += [("decode_bs1_dispatch_1_matmul", "usecond", "1,200"), ("decode_bs1_dispatch_2_reduce", "nsecond", "800"),
+                 ("decode_bs1_dispatch_2_reduce", "nsecond", "400")]
+    text = "==PROF== Connected\n" + head + "\n" + "\n".join(
+        f'"{i}","7","{n}","gpu__time_duration.sum","{u}","{v}"' for i, (n, u, v) in enumerate(rows))
+    rep = kernel_table(text, batch=1, steps=3, via="ncu")
+    assert rep["available"] and rep["calls"] == 3 and rep["dispatches_per_step"] == 3
+    assert rep["device_ms_per_step"] == pytest.approx((1200e3 + 1200) / 1e6)
+    assert [k["name"] for k in rep["top"]] == ["decode_bs1_dispatch_1_matmul", "decode_bs1_dispatch_2_reduce"]
+    assert rep["top"][1]["calls_per_step"] == 2 and rep["top"][1]["ms_per_step"] == pytest.approx(1.2e-3)
+    assert rep["top"][0]["share"] == pytest.approx(1200e3 / (1200e3 + 1200))
+    assert not kernel_table("no csv here", 1, 3, "ncu")["available"]
+
+
 def test_step_bytes_matches_a_hand_count() -> None:
     from dsv4.runtime.bench import step_bytes
     from dsv4.runtime.artifact import StateSpec
