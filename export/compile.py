@@ -63,6 +63,12 @@ SMALL_FLOAT_EMULATION = "--iree-llvmgpu-enable-small-float-emulation"
 # GPU targets: reductions that gather (mxfp4_linear_gathered) fail in ReductionVectorDistribution; only
 # added when that kernel is chosen (exporter.py)
 GPU_REDUCTION_FLAG = "--iree-codegen-llvmgpu-use-reduction-vector-distribution=false"
+# Every target: computations on the weights alone (the FP8 linears' decode for the decode entry
+# points, transposes) run once in the module's initializer and stay resident, instead of once per
+# call. IREE's default limit (per hoisted value) left Flash's FP8 decodes in the step: the decode of
+# wq_b [32768, 1024] wrote a 134 MB f32 copy every decode step (2.3 of 26 ms on the H200). 512 MiB
+# takes every dense FP8 linear of Flash and Pro but not an f32 copy of the head or a stack of experts.
+HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
         driver=TARGET_DRIVERS["gfx942"],
-        base_flags=("--iree-hal-target-device=hip",),
+        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
@@ -119,6 +125,7 @@ TARGETS: dict[str, Target] = {
             "--iree-hal-target-device=local",
             "--iree-hal-local-target-device-backends=llvm-cpu",
             "--iree-llvmcpu-stack-allocation-limit=1048576",
+            HOIST_FLAG,
         ),
         arch_flag="--iree-llvmcpu-target-cpu",
         arch="host",
@@ -127,7 +134,7 @@ TARGETS: dict[str, Target] = {
     "cuda": Target(
         name="cuda",
         driver=TARGET_DRIVERS["cuda"],
-        base_flags=("--iree-hal-target-device=cuda",),
+        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",

@@ -9,7 +9,7 @@ the eager references' values:
   e4m3/e2m1 subnormal bands, +-0, NaN, +-inf, overflow, float32 subnormals, all-zero blocks;
 * the linears equal a float64 product of the eager-quantized activation and the eager-dequantized
   weight within fp32 summation error (the summation order is the compiler's), NaN positions equal,
-  for each GEMM form of the FP8 linear (kernel = auto, kernel_fp8 = FP8 x FP8 block GEMM, kernel_f32);
+  for each GEMM form of the FP8 linear (kernel = auto, kernel_fp8 = FP8 x FP8 block GEMM, kernel_f32, kernel_bf16);
 * the FP8 x FP8 form's activation codes decode to exactly the eager quantized values (every e4m3
   grid value through an identity weight, both FP8 formats, bitwise);
 * everything compiles for cuda and gfx942: the FP8 x FP8 GEMM runs on the matrix cores of both
@@ -210,8 +210,8 @@ def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
     if impl in ("kernel_fp8", "kernel_f32"):  # the FP8 linears' GEMM forms
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
-    elif impl == "kernel_bf16":  # the MXFP4 linears' matrix-core form (the gathered one has none)
-        cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked")}
+    elif impl == "kernel_bf16":  # the bf16-operand forms: MXFP4 (the gathered one has none) and FP8 (decode's)
+        cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
     mlir = _export(cases, tmp_path / "lin.mlir", impl)
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():
@@ -315,9 +315,9 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
 
 def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):
     """The default FP8 kernel picks its GEMM by whether the trace knows the rows: any static row count
-    (a decode entry point, at every batch size: decode must stay batch-invariant) gets the f32 GEMM
-    in its own specialization, a dynamic row count (prefill) the FP8 x FP8 GEMM; kernel_f32 /
-    kernel_fp8 force one form."""
+    (a decode entry point, at every batch size: decode must stay batch-invariant) gets the dequantized
+    GEMM (bf16 operands) in its own specialization, a dynamic row count (prefill) the FP8 x FP8 GEMM;
+    kernel_f32 / kernel_fp8 force one form."""
     from iree.turbine import aot
 
     w, s = _fp8_weight(256, 256, nan=False), torch.full((2, 2), 120, dtype=torch.uint8)

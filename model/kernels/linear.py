@@ -19,9 +19,10 @@ one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear
 and shapes before calling the hook (the kernel itself checks nothing).
 
 The FP8 linears' kernel runs the reference's own arithmetic on the matrix cores (implementation
-"kernel": when the rows are dynamic (prefill), not in the static-shape decode entry points, whose
-batch sizes must all round alike for batch invariance;
-"kernel_fp8": always; "kernel_f32": never): the activation as
+"kernel": when the rows are dynamic (prefill); the static-shape decode entry points get the
+dequantized form with bf16 operands, which hold the decoded weight and the quantized activation
+exactly (the decode hoisted to load time by the compiler); "kernel_fp8": always; "kernel_bf16" /
+"kernel_f32": never, the latter with f32 operands): the activation as
 e4m3 codes + power-of-two scales, FP8 x FP8 products summed in f32 per 128-K block, the block sums
 times (activation scale x weight scale) added up in f32. Every FP8 product is exact and the scales
 are powers of two, so this equals the dequantized form above up to fp32 summation order. The
@@ -58,9 +59,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _BYTES = (torch.uint8, torch.int8)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
 _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qdq kernels)
-# The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_f32" dequantizes
-# the weight into an f32 GEMM (the form before it; also what ragged N/K shapes always get)
-_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_fp8": {"gemm": "fp8"}}
+# The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_bf16" dequantizes
+# the weight into a bf16 GEMM with f32 sums (exact operands; decode's form), "kernel_f32" into an f32 GEMM
+# (the form before it; also what ragged N/K shapes always get)
+_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}}
 _MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}}  # MXFP4 x bf16 activation on the matrix cores (exact operands)
 
 
