@@ -25,7 +25,7 @@ from torch import nn
 from . import quant_sim
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
-from .kernels.linear import linear
+from .kernels.linear import f32_linear, linear
 from .kernels.mhc import hc_sinkhorn
 from .kernels.moe import moe_experts, swiglu
 from .kernels.sparse_attention import sparse_attention
@@ -200,9 +200,8 @@ class Compressor(nn.Module):
         m, hd = self.ratio, self.hd
         B, T, _ = x.shape
         RS = ring_k.shape[1]
-        xf = x.float()
-        k = self.wkv(xf)
-        z = self.wgate(xf) + self.ape[torch.remainder(b.pos, m)]
+        k = f32_linear(x, self.wkv.weight)
+        z = f32_linear(x, self.wgate.weight) + self.ape[torch.remainder(b.pos, m)]
         all_k, all_z = torch.cat([ring_k, k], 1), torch.cat([ring_z, z], 1)
 
         E = T // m + 1
@@ -411,7 +410,7 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        s = F.softplus(f32_linear(x, self.weight)).sqrt()
         if self.hash:
             idx = self.tid2eid[ids]
         else:
@@ -487,7 +486,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     """Collapse the n streams for a sub-layer; returns (input [B,T,d], post [B,T,n], comb [B,T,n,n])."""
     n = h.shape[2]
     xf = h.flatten(2).float()
-    mix = F.linear(xf, fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mix = f32_linear(h.flatten(2), fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -506,7 +505,7 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             norm_eps: float) -> torch.Tensor:
     """Final sigmoid-weighted collapse of the streams (no Sinkhorn, no post)."""
     xf = h.flatten(2).float()
-    mix = F.linear(xf, fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mix = f32_linear(h.flatten(2), fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(mix * scale + base) + eps
     return (pre[..., None] * h.float()).sum(2).to(h.dtype)
 

@@ -22,7 +22,7 @@ from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import (fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear,
+from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear,
                                        mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
@@ -64,6 +64,17 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x):
         return fp8_block_linear(x, self.weight, self.scale)
+
+
+class F32Linear(nn.Module):
+    """f32_linear on a bf16 activation and an fp32 weight (the three-bf16-term split, the mHC case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(_r(24, 128) * 0.1, requires_grad=False)
+
+    def forward(self, x):
+        return f32_linear(x.bfloat16(), self.weight)
 
 
 class Mxfp4Linear(nn.Module):
@@ -137,6 +148,7 @@ def _cases() -> dict:
         "indexer_scores": (IndexerScores, (_r(2, T, 4, 32), _r(2, T, 4), _r(2, 11, 32)), (1, 1, None)),
         "fp8_block_linear": (lambda: Fp8Linear(False), (_r(2, T, 128),), (1,)),
         "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),
+        "f32_linear": (F32Linear, (_r(2, T, 128),), (1,)),
         "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_gathered": (GatheredLinear, (_r(T, 3, 128), torch.randint(0, 4, (T,), generator=G)), (0, 0)),

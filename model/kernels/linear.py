@@ -48,7 +48,7 @@ from ..formats import (
 from . import kernel
 from .qdq import FP8_AMAX_FLOOR, block_qdq
 
-__all__ = ["linear", "stacked_linear", "gathered_linear", "fp8_block_linear", "mxfp4_linear",
+__all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "fp8_block_linear", "mxfp4_linear",
            "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
            "ACT_AMAX_FLOOR"]
 
@@ -139,6 +139,16 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     _check_mxfp4(x, packed, scale, "mxfp4_linear")
     w = dequant_mxfp4(packed, scale)
     return F.linear(fp8_act_qdq(x, FP8_BLOCK), w).to(x.dtype)
+
+
+@kernel("f32_linear", args={"x": "..., K", "weight": "N, K"}, results={"y": "..., N"}, static=("N", "K"),
+        dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja", export="kernel")
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T in float32 for a float weight: the router gate, the compressors' projections and the
+    mHC mixes, which the reference runs in fp32 on a bf16 activation. The kernel keeps the operands
+    bf16 where that is exact (an fp32 weight as three bf16 terms; dense.mlir.jinja), so GPUs run it
+    on the matrix cores; every product is exact and the sums are f32."""
+    return F.linear(x.float(), weight.float())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
