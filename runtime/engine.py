@@ -348,7 +348,8 @@ class Engine:
         cfg = self.config
         step = cfg.prefill_max_tokens
         out: list[tuple[np.ndarray | None, int]] = []
-        # batch-invariant: always the same function (decode functions already agree bit for bit)
+        # batch-invariant: always the same function (the decode functions agree bit for bit on llvm-cpu;
+        # cuda: docs/batch-invariance.md)
         sizes = cfg.prefill_batch_sizes[:1] if self.batch_invariant else cfg.prefill_batch_sizes
         for group, bs, rows in self._groups(reqs, sizes):
             last: list[tuple[np.ndarray | None, int]] = [(None, -1)] * len(group)
