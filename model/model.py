@@ -530,7 +530,7 @@ def final_logits(h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, fn: t
     x = norm(hc_head(h, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps)).float()
     # rows flattened to one 2-D GEMM: IREE folds the weight's transpose into it and reads [V, d] in
     # place; a 3-D x became a batch_matmul on a hoisted [d, V] copy that ran 11x slower on the H200
-    out = F.linear(x.flatten(0, -2), head.weight).view(*x.shape[:-1], -1)
+    out = head(x.flatten(0, -2)).view(*x.shape[:-1], -1)
     return out if all_logits else out[:, 0]
 
 
