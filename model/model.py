@@ -481,12 +481,17 @@ class MoE(nn.Module):
 # mHC and blocks
 
 
+def _hc_mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """mHC's mixing logits of the flattened streams [B,T,n*d]: (x @ fn^T) / rms(x), fp32."""
+    x = h.flatten(2)
+    return f32_linear(x, fn) * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps)
+
+
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
            norm_eps: float):
     """Collapse the n streams for a sub-layer; returns (input [B,T,d], post [B,T,n], comb [B,T,n,n])."""
     n = h.shape[2]
-    xf = h.flatten(2).float()
-    mix = f32_linear(h.flatten(2), fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mix = _hc_mix(h, fn, norm_eps)
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -504,8 +509,7 @@ def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final sigmoid-weighted collapse of the streams (no Sinkhorn, no post)."""
-    xf = h.flatten(2).float()
-    mix = f32_linear(h.flatten(2), fn) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mix = _hc_mix(h, fn, norm_eps)
     pre = torch.sigmoid(mix * scale + base) + eps
     return (pre[..., None] * h.float()).sum(2).to(h.dtype)
 
@@ -621,14 +625,11 @@ class Transformer(nn.Module):
             self.register_buffer(f"rope_{kind}_cos", cos, persistent=False)
             self.register_buffer(f"rope_{kind}_sin", sin, persistent=False)
 
-    def _rope(self) -> dict:
-        return rope_of(self)
-
     def hidden(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Backbone streams after the last block, [B,T,n,d] (what MTP consumes)."""
         b = Batch.make(tokens, start_pos, lengths, slots)
-        rope = self._rope()
+        rope = rope_of(self)
         h = embed_streams(self.embed, tokens, self.cfg.hc_mult)
         for i, layer in enumerate(self.layers):
             h = layer(h, b, self.layout.layers[i], state, rope, tokens)
@@ -653,7 +654,7 @@ class Transformer(nn.Module):
         b = Batch.make(next_tokens, start_pos, lengths, slots)
         e = blk.enorm(self.embed(next_tokens))
         x = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).to(self.dtype)
-        x = blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, self._rope(), next_tokens)
+        x = blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, rope_of(self), next_tokens)
         return self.logits(x, lengths, all_logits, (blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale), blk.norm)
 
 

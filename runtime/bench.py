@@ -224,6 +224,11 @@ _SPLAT_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int64":
                 "float8_e4m3fn": "f8E4M3FN", "float8_e4m3fnuz": "f8E4M3FNUZ", "uint8": "i8", "int8": "i8"}
 
 
+def _last_line(run: Any) -> str:
+    """The last line a finished subprocess printed (stderr first), for a one-line error."""
+    return (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
+
+
 def _tool(name: str) -> Path:
     import iree._runtime_libs as libs
 
@@ -260,7 +265,7 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
         cmd.append("--task_worker_stack_size=1048576")
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
-        last = (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
+        last = _last_line(run)
         if device == "cuda" and "UNIMPLEMENTED" in last and shutil.which("ncu"):
             # IREE 3.13's CUDA HAL has no native profiling: time every kernel with Nsight Compute instead
             return _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
@@ -290,8 +295,7 @@ def _ncu_profile(cmd: list[str], batch: int, steps: int, workdir: Path) -> dict[
            "--log-file", str(log)]
     run = subprocess.run(ncu + cmd, capture_output=True, text=True)
     if run.returncode != 0 or not log.exists():
-        last = (run.stderr.strip() or run.stdout.strip() or "?").splitlines()[-1]
-        return {"available": False, "why": f"ncu failed: {last[:300]}"}
+        return {"available": False, "why": f"ncu failed: {_last_line(run)[:300]}"}
     return kernel_table(log.read_text(), batch, steps, "Nsight Compute (gpu__time_duration)")
 
 
@@ -322,13 +326,11 @@ def kernel_table(csv_text: str, batch: int, steps: int, via: str) -> dict[str, A
     if not keep:
         return {"available": False, "why": f"no kernel ran {steps} times"}
     total = sum(total_ns[k] for k in keep)
-    top = sorted(keep, key=lambda k: -total_ns[k])[:10]
+    kernels = [{"name": k, "ms_per_step": total_ns[k] / steps / 1e6, "calls_per_step": count[k] / steps}
+               for k in sorted(keep, key=lambda k: -total_ns[k])]
     return {"available": True, "via": via, "batch": batch, "calls": steps,
             "dispatches_per_step": sum(count[k] for k in keep) / steps, "device_ms_per_step": total / steps / 1e6,
-            "top": [{"name": k, "ms_per_step": total_ns[k] / steps / 1e6, "calls_per_step": count[k] / steps,
-                     "share": total_ns[k] / total} for k in top],
-            "kernels": [{"name": k, "ms_per_step": total_ns[k] / steps / 1e6, "calls_per_step": count[k] / steps}
-                        for k in sorted(keep, key=lambda k: -total_ns[k])]}
+            "top": [{**k, "share": total_ns[k["name"]] / total} for k in kernels[:10]], "kernels": kernels}
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dsv4.model.config import ModelConfig
-from dsv4.model.model import Transformer, init_random
+from dsv4.model.model import Transformer, init_random, rope_of
 from dsv4.model.state import new_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -223,7 +223,7 @@ def test_layer_with_quant_sims_matches_float64_reference(captured, ratio):
     cfg, model, seen = captured
     i = next(i for i, blk in enumerate(model.layers) if blk.attn.ratio == ratio)
     blk = model.layers[i]
-    kind = model._rope()[blk.rope_kind]
+    kind = rope_of(model)[blk.rope_kind]
     cos, sin = kind["cos"].double(), kind["sin"].double()
     x = seen[i]["x"][0].double()
     on = ref_attention(blk.attn, x, cfg, cos, sin, quant=True)
