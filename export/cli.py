@@ -91,6 +91,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                    help="with --devices N: split the layers into N consecutive stages, one module per device, "
                         "the streams crossing through host memory (needs no peer access between GPUs: the way "
                         "to run on several H200s with IREE 3.13's cuda driver; docs/scale.md)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="pad the GEMMs' rows to a 16-row tile so a GPU's decode functions give a request the same "
+                        "bits at every batch size (docs/batch-invariance.md: costs decode speed at small batches; "
+                        "llvm-cpu is batch-invariant without it)")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
@@ -200,7 +204,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                            decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
                            n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
                            tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
-                           weights=weights, devices=args.devices, pipeline=args.pipeline)
+                           weights=weights, devices=args.devices, pipeline=args.pipeline,
+                           batch_invariant=args.batch_invariant)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

@@ -190,14 +190,24 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
         yield from archive_tensors(own, fp8, f"{prefix}{mname}." if mname else prefix)
 
 
-def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target]) -> dict[str, str]:
+# the GEMM kernels whose "kernel_rows16" form pads rows to a 16-row tile (--batch-invariant)
+ROW_TILED_KERNELS = ("fp8_block_linear", "fp8_block_linear_stacked", "f32_linear")
+
+
+def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], batch_invariant: bool = False
+                     ) -> dict[str, str]:
     """The user's --kernel choices, plus: an export for llvm-cpu only reads the routed experts in place
     (mxfp4_linear_gathered=kernel; gathering first makes IREE write an f32 copy of every routed block's
     weights, 27 GB per Flash layer for a 100-token prefill). GPU targets keep the gather: their
-    compile of that kernel needs a flag that changes every reduction (export/compile.py)."""
+    compile of that kernel needs a flag that changes every reduction (export/compile.py).
+    `batch_invariant`: the GEMMs pad their rows to a 16-row tile (kernel_rows16), so a GPU runs one
+    GEMM schedule for every decode batch size (docs/batch-invariance.md)."""
     out = dict(kernels or {})
     if "*" not in out and all(t.name == "llvm-cpu" for t in tgts):
         out.setdefault("mxfp4_linear_gathered", "kernel")
+    if batch_invariant:
+        for op in ROW_TILED_KERNELS:
+            out.setdefault(op, "kernel_rows16")
     return out
 
 
@@ -401,7 +411,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
                  progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
                  probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
                  force: bool = False, weights: "WeightSource | str | None" = "model",
-                 devices: int = 1, pipeline: bool = False) -> ExportResult:
+                 devices: int = 1, pipeline: bool = False, batch_invariant: bool = False) -> ExportResult:
     """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
 
     `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
@@ -416,8 +426,9 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     `devices` > 1 builds one module over that many devices (export/sharding.py: the layout, recorded
     in config.json's "devices"); the weights are then stored per device. With `pipeline` the layers
     are split into `devices` consecutive stages instead, one module per device (export/pipeline.py;
-    files model.stage<k>.<target>.vmfb, one .irpa for all). Returns the config.json dict and per-stage
-    timings (seconds)."""
+    files model.stage<k>.<target>.vmfb, one .irpa for all). `batch_invariant` pads the GEMMs' rows to
+    a 16-row tile so GPU decode functions agree bit for bit (docs/batch-invariance.md; llvm-cpu needs
+    no padding). Returns the config.json dict and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
@@ -460,7 +471,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", str(e)) from None
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, _default_kernels(kernels, tgts),
+                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, _default_kernels(kernels, tgts, batch_invariant),
                               weights, devices, pipeline)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all

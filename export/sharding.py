@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.model.kernels.linear import f32_linear
 from dsv4.model.model import Attention, Experts, Linear, gather_rows
 from dsv4.runtime.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
@@ -216,12 +217,12 @@ class ShardedEmbedding(nn.Module):
 class ShardedHead(nn.Module):
     """The bias-free output head split by vocabulary: logits concatenated on device 0."""
 
-    def __init__(self, head: nn.Linear, n: int):
+    def __init__(self, head: nn.Module, n: int):
         super().__init__()
         self.shards = nn.ModuleList(VocabShard(head.weight, d, n) for d in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([to_device(0, F.linear(to_device(d, x), s.weight)) for d, s in enumerate(self.shards)], -1)
+        return torch.cat([to_device(0, f32_linear(to_device(d, x), s.weight)) for d, s in enumerate(self.shards)], -1)
 
 
 _HEAD_PARAMS = ("wq_b", "attn_sink", "wo_a")

@@ -82,6 +82,19 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.scale)
 
 
+class Head(nn.Linear):
+    """The output head: fp32 logits = x W^T through f32_linear (fp32 products and sums). W [vocab, d] is
+    held in the model's dtype: checkpoints store it bf16 (spec §4.2; the reference upcasts it to fp32,
+    which changes no value), and with the normed x bf16 too the GPU kernel is one bf16 GEMM on the
+    matrix cores with exact products, reading half the bytes of an fp32 copy."""
+
+    def __init__(self, d: int, vocab: int, dtype: torch.dtype):
+        super().__init__(d, vocab, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return f32_linear(x, self.weight)
+
+
 def rope_table(rd: int, max_len: int, base: float, yarn: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_len, rd/2] (fp32) of the interleaved RoPE, with YaRN frequency ramp if given.
 
@@ -526,12 +539,12 @@ def embed_streams(embed: nn.Embedding, tokens: torch.Tensor, n: int) -> torch.Te
 
 
 def final_logits(h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, fn: torch.Tensor, base: torch.Tensor,
-                 scale: torch.Tensor, norm: RMSNorm, head: nn.Linear, cfg: ModelConfig) -> torch.Tensor:
+                 scale: torch.Tensor, norm: RMSNorm, head: nn.Module, cfg: ModelConfig) -> torch.Tensor:
     """Streams [B,T,n,d] -> fp32 logits: [B,V] at each row's last real token, or [B,T,V] with all_logits."""
     if not all_logits:  # only each row's last real position
         last = (lengths - 1).clamp(min=0)
         h = torch.gather(h, 1, last.view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:]))
-    x = norm(hc_head(h, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps)).float()
+    x = norm(hc_head(h, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps))
     # rows flattened to one 2-D GEMM: IREE folds the weight's transpose into it and reads [V, d] in
     # place; a 3-D x became a batch_matmul on a hoisted [d, V] copy that ran 11x slower on the H200
     out = head(x.flatten(0, -2)).view(*x.shape[:-1], -1)
@@ -604,7 +617,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, i, dtype, quant, expert_fmt) for i in range(cfg.n_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.float32)  # fp32 logits
+        self.head = Head(d, cfg.vocab_size, dtype)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * d, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))

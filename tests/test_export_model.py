@@ -368,3 +368,17 @@ def test_routed_experts_read_in_place_only_for_cpu_exports():
     assert _default_kernels(None, [cpu, cuda]) == {}
     assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu]) == {"mxfp4_linear_gathered": "reference"}
     assert _default_kernels({"*": "reference"}, [cpu]) == {"*": "reference"}
+
+
+def test_batch_invariant_export_pads_the_gemm_rows():
+    """--batch-invariant picks every row-tiled GEMM kernel's kernel_rows16 form (an explicit --kernel
+    choice wins), and each of them offers that form."""
+    from dsv4.export.compile import check_target
+    from dsv4.export.exporter import ROW_TILED_KERNELS, _default_kernels
+    from dsv4.export.model_kernels import MODEL_OPS
+
+    cuda = check_target("cuda")
+    assert _default_kernels(None, [cuda], batch_invariant=True) == {op: "kernel_rows16" for op in ROW_TILED_KERNELS}
+    picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
+    assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
+    assert all("kernel_rows16" in MODEL_OPS[op].impl_names for op in ROW_TILED_KERNELS)

@@ -205,14 +205,17 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
-    if impl in ("kernel_fp8", "kernel_f32"):  # the FP8 linears' GEMM forms
+    if impl in ("kernel_fp8", "kernel_f32", "kernel_rows16"):  # the FP8 linears' GEMM forms (rows16: padded rows)
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
     elif impl == "kernel_bf16":  # the bf16-operand forms: MXFP4 (the gathered one has none) and FP8 (decode's)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
-    mlir = _export(cases, tmp_path / "lin.mlir", impl)
+    # rows16 pads the rows of the static-row (decode) form: static shapes (3 x 5 = 15 rows -> 16)
+    mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if impl == "kernel_rows16" else ())
+    if impl == "kernel_rows16":
+        assert "tensor.pad" in mlir.read_text()
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():
         with torch.no_grad():

@@ -62,7 +62,12 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_bf16" dequantizes
 # the weight into a bf16 GEMM with f32 sums (exact operands; decode's form), "kernel_f32" into an f32 GEMM
 # (the form before it; also what ragged N/K shapes always get)
-_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}}
+_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"},
+          "kernel_rows16": {"row_tile": 16}}
+# "kernel_rows16" (the FP8 linears and f32_linear): the dequantized GEMM's rows zero-padded to a multiple of 16,
+# so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
+# (`dsv4 export --batch-invariant`; docs/batch-invariance.md)
+_ROWS16 = {"kernel_rows16": {"row_tile": 16}}
 _MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}}  # MXFP4 x bf16 activation on the matrix cores (exact operands)
 
 
@@ -142,7 +147,8 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
 
 
 @kernel("f32_linear", args={"x": "..., K", "weight": "N, K"}, results={"y": "..., N"}, static=("N", "K"),
-        dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja", export="kernel")
+        dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja",
+        mlir_variants=_ROWS16, export="kernel")
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T in float32 for a float weight: the router gate, the compressors' projections and the
     mHC mixes, which the reference runs in fp32 on a bf16 activation. The kernel keeps the operands
