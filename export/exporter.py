@@ -208,6 +208,9 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     if batch_invariant:
         for op in ROW_TILED_KERNELS:
             out.setdefault(op, "kernel_rows16")
+        # the routed experts' f32 form: its one-row (bs1: a slot per pair) and 16-row-block (bs8+) forms
+        # were measured to agree bit for bit; the bf16 GEMM takes a matvec for one and a tiled GEMM for the other
+        out.setdefault("mxfp4_linear_stacked", "kernel_f32")
     return out
 
 

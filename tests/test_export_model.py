@@ -378,7 +378,8 @@ def test_batch_invariant_export_pads_the_gemm_rows():
     from dsv4.export.model_kernels import MODEL_OPS
 
     cuda = check_target("cuda")
-    assert _default_kernels(None, [cuda], batch_invariant=True) == {op: "kernel_rows16" for op in ROW_TILED_KERNELS}
+    assert _default_kernels(None, [cuda], batch_invariant=True) == {**{op: "kernel_rows16" for op in ROW_TILED_KERNELS},
+                                                                    "mxfp4_linear_stacked": "kernel_f32"}
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     assert all("kernel_rows16" in MODEL_OPS[op].impl_names for op in ROW_TILED_KERNELS)

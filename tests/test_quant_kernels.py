@@ -208,9 +208,9 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
-    if impl in ("kernel_fp8", "kernel_f32", "kernel_rows16"):  # the FP8 linears' GEMM forms (rows16: padded rows)
+    if impl in ("kernel_fp8", "kernel_rows16"):  # FP8-only GEMM forms (rows16: padded rows)
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
-    elif impl == "kernel_bf16":  # the bf16-operand forms: MXFP4 (the gathered one has none) and FP8 (decode's)
+    elif impl in ("kernel_bf16", "kernel_f32"):  # FP8 and MXFP4 forms (the gathered MXFP4 one has neither)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
     # rows16 pads the rows of the static-row (decode) form: static shapes (3 x 5 = 15 rows -> 16)
     mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if impl == "kernel_rows16" else ())

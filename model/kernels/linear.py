@@ -68,7 +68,9 @@ _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kerne
 # so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
 # (`dsv4 export --batch-invariant`; docs/batch-invariance.md)
 _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
-_MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}}  # MXFP4 x bf16 activation on the matrix cores (exact operands)
+# MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
+# an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)
+_MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}, "kernel_f32": {"gemm": "f32"}}
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
