@@ -367,9 +367,9 @@ def test_prefill_moe_never_copies_expert_weights(tmp_path):
     export default gathers first, see export/compile.py), compiled for llvm-cpu down to its
     dispatches: no dispatch writes a per-block copy of an expert's weight (a result with a dynamic dim and an
     expert's inter x d elements per row). With the experts gathered before the stacked kernel
-    (`mxfp4_linear_gathered=reference`), IREE fuses gather + decode into one dispatch writing an f32
-    copy per block: 27.6 GB for a 100-token Flash prefill, which llvm-cpu could not allocate (the
-    check finds that one, so it can fail)."""
+    (`mxfp4_linear_gathered=reference`), IREE fuses gather + decode into one dispatch writing a decoded
+    copy per block (bf16 with the default MXFP4 kernel; f32 before: 27.6 GB for a 100-token Flash
+    prefill, which llvm-cpu could not allocate). The check finds that one, so it can fail."""
     import re
     import subprocess
 
@@ -409,7 +409,7 @@ def test_prefill_moe_never_copies_expert_weights(tmp_path):
         for line in flow.read_text().splitlines():
             if "flow.dispatch @" not in line:
                 continue
-            for dims in re.findall(r"-> \(?tensor<\?x([\dx]+)x[if]\d+>", line):
+            for dims in re.findall(r"-> \(?tensor<\?x([\dx]+)x(?:bf16|[if]\d+)>", line):
                 if math.prod(int(v) for v in dims.split("x")) >= inter * d:
                     found.append(line.strip()[:160])
         return found
