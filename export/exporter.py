@@ -190,8 +190,8 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
         yield from archive_tensors(own, fp8, f"{prefix}{mname}." if mname else prefix)
 
 
-# the GEMM kernels whose "kernel_rows16" form pads rows to a 16-row tile (--batch-invariant)
-ROW_TILED_KERNELS = ("fp8_block_linear", "fp8_block_linear_stacked", "f32_linear")
+# the GEMM kernels' form that pads rows to a 16-row tile (--batch-invariant picks it wherever an op offers it)
+ROW_TILED = "kernel_rows16"
 
 
 def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], batch_invariant: bool = False
@@ -206,8 +206,11 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     if "*" not in out and all(t.name == "llvm-cpu" for t in tgts):
         out.setdefault("mxfp4_linear_gathered", "kernel")
     if batch_invariant:
-        for op in ROW_TILED_KERNELS:
-            out.setdefault(op, "kernel_rows16")
+        from .model_kernels import MODEL_OPS
+
+        for name, op in MODEL_OPS.items():
+            if ROW_TILED in op.impl_names:
+                out.setdefault(name, ROW_TILED)
         # the routed experts' f32 form: its one-row (bs1: a slot per pair) and 16-row-block (bs8+) forms
         # were measured to agree bit for bit; the bf16 GEMM takes a matvec for one and a tiled GEMM for the other
         out.setdefault("mxfp4_linear_stacked", "kernel_f32")

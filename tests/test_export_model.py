@@ -371,15 +371,14 @@ def test_routed_experts_read_in_place_only_for_cpu_exports():
 
 
 def test_batch_invariant_export_pads_the_gemm_rows():
-    """--batch-invariant picks every row-tiled GEMM kernel's kernel_rows16 form (an explicit --kernel
-    choice wins), and each of them offers that form."""
+    """--batch-invariant picks the kernel_rows16 form of every op that offers it (the dense GEMMs: the
+    FP8 linears and f32_linear) and the routed experts' f32 form; an explicit --kernel choice wins."""
     from dsv4.export.compile import check_target
-    from dsv4.export.exporter import ROW_TILED_KERNELS, _default_kernels
-    from dsv4.export.model_kernels import MODEL_OPS
+    from dsv4.export.exporter import _default_kernels
 
     cuda = check_target("cuda")
-    assert _default_kernels(None, [cuda], batch_invariant=True) == {**{op: "kernel_rows16" for op in ROW_TILED_KERNELS},
-                                                                    "mxfp4_linear_stacked": "kernel_f32"}
+    assert _default_kernels(None, [cuda], batch_invariant=True) == {
+        "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
+        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
-    assert all("kernel_rows16" in MODEL_OPS[op].impl_names for op in ROW_TILED_KERNELS)

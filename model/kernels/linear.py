@@ -62,12 +62,11 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_bf16" dequantizes
 # the weight into a bf16 GEMM with f32 sums (exact operands; decode's form), "kernel_f32" into an f32 GEMM
 # (the form before it; also what ragged N/K shapes always get)
-_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"},
-          "kernel_rows16": {"row_tile": 16}}
 # "kernel_rows16" (the FP8 linears and f32_linear): the dequantized GEMM's rows zero-padded to a multiple of 16,
 # so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
 # (`dsv4 export --batch-invariant`; docs/batch-invariance.md)
 _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
+_GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
 # an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)
 _MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}, "kernel_f32": {"gemm": "f32"}}
