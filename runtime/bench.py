@@ -72,19 +72,25 @@ class Plan:
     notes: list[str]
 
 
-def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int) -> np.ndarray:
+def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int, warm_up: bool = False) -> np.ndarray:
     """Prefill rows 0..rows-1 with n_tokens tokens each (same calls for every backend); returns the
-    argmax at each row's last token."""
+    argmax at each row's last token. `warm_up`: only the first call of each prefill batch size that
+    filling the rows uses (loads / compiles each function once; every call is padded to plan.chunk
+    tokens, so a full untimed fill would cost as much as the timed one)."""
     from .batching import pad_rows, pick_batch_size
 
     last = np.zeros(rows, np.int64)
     T = plan.chunk
-    r0 = 0
+    r0, warmed = 0, set()
     while r0 < rows:
         bs = pick_batch_size(rows - r0, plan.prefill_batch_sizes, plan.n_slots)
+        if warm_up and bs in warmed:
+            r0 += bs
+            continue
+        warmed.add(bs)
         n_real = min(bs, rows - r0)
         slots = np.asarray(pad_rows(list(range(r0, r0 + n_real)), bs, plan.n_slots), np.int64)
-        for s in range(0, n_tokens, T):
+        for s in range(0, min(n_tokens, T) if warm_up else n_tokens, T):
             n = min(T, n_tokens - s)
             tokens = np.zeros((bs, T), np.int64)
             tokens[:n_real, :n] = (np.arange(s, s + n) * 7 + 3) % vocab  # any fixed ids will do
@@ -99,7 +105,7 @@ def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int)
 def measure(be: Backend, plan: Plan, batch: int, context: int, vocab: int) -> dict[str, Any]:
     """Prefill B rows to context - W - N tokens, then W warm-up and N timed decode steps."""
     fill = context - plan.warmup - plan.steps
-    _prefill_rows(be, plan, batch, min(plan.chunk, fill), vocab)  # first calls load/compile; not timed
+    _prefill_rows(be, plan, batch, fill, vocab, warm_up=True)  # first calls load/compile; not timed
     t0 = time.perf_counter()
     tok = _prefill_rows(be, plan, batch, fill, vocab)
     t_fill = time.perf_counter() - t0
@@ -366,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them (default 4)")
     p.add_argument("--compare", type=_backends, default=[], help="torch backends: torch-eager,torch-compile")
+    p.add_argument("--no-iree", action="store_true",
+                   help="time only the --compare backends (to split a long comparison over two runs)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="buffer size of the bandwidth copy (default 1024 on a GPU, 64 on local-*)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-dispatch profile")
@@ -379,6 +387,8 @@ def make_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     notes: list[str] = []
     if args.steps <= 0 or args.warmup < 0:
         raise BenchError(f"--steps must be > 0 and --warmup >= 0, got {args.steps}/{args.warmup}")
+    if getattr(args, "no_iree", False) and not args.compare:
+        raise BenchError("--no-iree needs --compare: nothing else to time")
     if args.prefill <= 0:
         raise BenchError(f"--prefill must be > 0, got {args.prefill}")
     batches = args.batch or list(cfg.decode_batch_sizes)
@@ -431,7 +441,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
     params = parameter_sizes(eng.parameters_paths)
 
-    backends: list[Backend] = [iree_be]
+    backends: list[Backend] = [] if getattr(args, "no_iree", False) else [iree_be]
     for name in args.compare:
         from dsv4.model.bench_torch import TorchBackend
 

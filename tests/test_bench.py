@@ -78,6 +78,17 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
     assert sum(k["share"] for k in prof["top"]) <= 1 + 1e-9
 
 
+def test_bench_no_iree_times_only_the_torch_side(bench_export: Path, capsys) -> None:
+    rc, out, err = _bench(capsys, str(bench_export), "--batch", "4", "--context", "40", "--prefill", "20",
+                          "--steps", "2", "--warmup", "1", "--compare", "torch-eager", "--no-iree",
+                          "--no-profile", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert [(r["backend"], r["batch"]) for r in rep["decode"]] == [("torch-eager (cpu)", 4)]
+    assert [t["backend"] for t in rep["ttft"]] == ["torch-eager (cpu)"]
+    assert rep["decode"][0]["prefill_tokens"] == 4 * (40 - 2 - 1)
+
+
 def test_bench_table_and_plot(bench_export: Path, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
@@ -159,6 +170,7 @@ def test_step_bytes_matches_a_hand_count() -> None:
     (["--context", "100000"], "every --context is over max_seq_len 256"),
     (["--steps", "0"], "--steps must be > 0"),
     (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--no-iree"], "--no-iree needs --compare"),
 ])
 def test_bench_bad_arguments(bench_export: Path, capsys, argv: list[str], match: str) -> None:
     rc, _, err = _bench(capsys, str(bench_export), *argv)

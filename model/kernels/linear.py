@@ -198,6 +198,9 @@ def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
 
 
+_EAGER_DECODE_BYTES = 2 << 30
+
+
 @kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
         dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR, export="reference")
@@ -206,6 +209,13 @@ def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).
     The kernel reads the selected experts' bytes in place (no gathered or decoded copy of the weights)."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_gathered")
+    G, per = sel.shape[0], packed.shape[1] * packed.shape[2] * 8  # f32 bytes of one decoded expert
+    step = max(1, _EAGER_DECODE_BYTES // per)
+    if isinstance(G, int) and G > step and not torch.compiler.is_exporting():
+        # eager / torch.compile: bound the decoded copies (a 512-token Flash prefill gathers ~570 experts,
+        # 19 GB of f32); each expert's product is independent, so the chunks give the same result
+        return torch.cat([mxfp4_linear_gathered(x[g:g + step], packed, scale, sel[g:g + step])
+                          for g in range(0, G, step)])
     return mxfp4_linear_stacked(x, packed.index_select(0, sel), scale.index_select(0, sel))
 
 
