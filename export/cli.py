@@ -94,7 +94,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("--batch-invariant", action="store_true",
                    help="pad the GEMMs' rows to a 16-row tile so a GPU's decode functions give a request the same "
                         "bits at every batch size (docs/batch-invariance.md: costs decode speed at small batches; "
-                        "llvm-cpu is batch-invariant without it)")
+                        "llvm-cpu is batch-invariant without it, so an llvm-cpu-only export ignores it and "
+                        "one that mixes llvm-cpu with a GPU target is refused)")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")

@@ -201,11 +201,19 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     weights, 27 GB per Flash layer for a 100-token prefill). GPU targets keep the gather: their
     compile of that kernel needs a flag that changes every reduction (export/compile.py).
     `batch_invariant`: the GEMMs pad their rows to a 16-row tile (kernel_rows16), so a GPU runs one
-    GEMM schedule for every decode batch size (docs/batch-invariance.md)."""
+    GEMM schedule for every decode batch size (docs/batch-invariance.md). llvm-cpu is batch-invariant
+    without them and not with them (its decode_bs16 then rounds differently from decode_bs1), so an
+    llvm-cpu-only export ignores the flag and one mixing llvm-cpu with a GPU target is refused."""
     out = dict(kernels or {})
-    if "*" not in out and all(t.name == "llvm-cpu" for t in tgts):
+    cpu_only = all(t.name == "llvm-cpu" for t in tgts)
+    if "*" not in out and cpu_only:
         out.setdefault("mxfp4_linear_gathered", "kernel")
-    if batch_invariant:
+    if batch_invariant and not cpu_only and any(t.name == "llvm-cpu" for t in tgts):
+        raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
+                          "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
+                          "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
+                          "batch-invariant by default) and the GPU target(s) separately with it")
+    if batch_invariant and not cpu_only:
         from .model_kernels import MODEL_OPS
 
         for name, op in MODEL_OPS.items():
@@ -433,8 +441,8 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     in config.json's "devices"); the weights are then stored per device. With `pipeline` the layers
     are split into `devices` consecutive stages instead, one module per device (export/pipeline.py;
     files model.stage<k>.<target>.vmfb, one .irpa for all). `batch_invariant` pads the GEMMs' rows to
-    a 16-row tile so GPU decode functions agree bit for bit (docs/batch-invariance.md; llvm-cpu needs
-    no padding). Returns the config.json dict and per-stage timings (seconds)."""
+    a 16-row tile so GPU decode functions agree bit for bit (docs/batch-invariance.md; llvm-cpu is
+    invariant without it and not with it: ignored for llvm-cpu alone, refused beside a GPU target). Returns the config.json dict and per-stage timings (seconds)."""
     _compat.apply()
     log = progress or (lambda s: None)
     t_all = time.perf_counter()
@@ -470,6 +478,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     act = model.dtype
     if act not in STATE_DTYPE_NAMES:
         raise ExportError("validate", f"unsupported activation dtype {act}")
+    picked = _default_kernels(kernels, tgts, batch_invariant)
     out = Path(out_dir)
     try:
         check_out_dir(out, force=force)
@@ -477,7 +486,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
         raise ExportError("validate", str(e)) from None
     with staged_export(out, force=True) as stage:
         config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, _default_kernels(kernels, tgts, batch_invariant),
+                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, picked,
                               weights, devices, pipeline)
     timings = config.pop("_timings")
     timings["total"] = time.perf_counter() - t_all

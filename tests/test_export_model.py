@@ -382,3 +382,9 @@ def test_batch_invariant_export_pads_the_gemm_rows():
         "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
+    # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,
+    # docs/batch-invariance.md), so the flag leaves an llvm-cpu export alone and refuses a mixed one
+    cpu = check_target("llvm-cpu")
+    assert _default_kernels(None, [cpu], batch_invariant=True) == _default_kernels(None, [cpu])
+    with pytest.raises(ExportError, match="llvm-cpu and a GPU target"):
+        _default_kernels(None, [cpu, cuda], batch_invariant=True)
