@@ -6,11 +6,11 @@ OUT's vmfb must be compiled with `--iree-flow-trace-dispatch-tensors` (recompile
 model.mlir with its config.json flags plus that one). The prompts are prefilled alone through
 prefill_bs1, as bench/batchinv_functions.py does; the first prompt is row 0, the others fill the next
 rows of the larger function. Both functions then decode greedily; every dispatch's inputs and outputs
-reach a HAL debug sink (no text dump). Per step, each of B's dispatches is matched to A's by row 0: an
-array whose row 0 (along any axis of size B, or the whole array) has the same bytes as some array of
-A's trace, row 0 along an axis of size A, or whole. Printed: the first step whose logits differ and the
-first dispatches there whose inputs all match but whose outputs do not (the first is the op that
-changes its arithmetic with the batch), with the nearest A array's max |difference|.
+reach a HAL debug sink (no text dump). Per step, each of B's dispatch arrays is matched to A's by row 0:
+it has a twin when its row 0 (along an axis of size B or 16, its leading size/B elements, or the whole
+array) has the same bytes as the like view of some array in A's trace. Printed: the first step whose logits differ, then per step up to it the first dispatches of B
+with an unmatched output, marked INPUTS MATCH when every input had a twin (that dispatch changed the
+bits, or the two functions fused the same math differently: docs/batch-invariance.md, session 9).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def compare(rec_a: list, rec_b: list, bs_a: int, bs_b: int, limit: int = 8) -> l
     for name, kind, arrays in rec_b:
         matched = [any(_key(r) in seen_a for r in _row0s(a, bs_b)) for a in arrays]
         if kind == "inputs":
-            pending = (name, all(matched), [a.shape for a in arrays])
+            pending = (name, all(matched))
             continue
         if all(matched):
             continue
