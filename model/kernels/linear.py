@@ -62,7 +62,8 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # The FP8 linears' MLIR GEMMs: "kernel_fp8" is the FP8 x FP8 block GEMM (matrix cores), "kernel_bf16" dequantizes
 # the weight into a bf16 GEMM with f32 sums (exact operands; decode's form), "kernel_f32" into an f32 GEMM
 # (the form before it; also what ragged N/K shapes always get)
-# "kernel_rows16" (the FP8 linears and f32_linear): the dequantized GEMM's rows zero-padded to a multiple of 16,
+# "kernel_rows16" (the FP8 linears and f32_linear): the dequantized GEMM's rows zero-padded to the next multiple
+# of 16 above the row count (16 rows -> 32: a pad of none folds away and changes the fusion around the GEMM),
 # so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
 # (`dsv4 export --batch-invariant`; docs/batch-invariance.md)
 _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
