@@ -181,6 +181,8 @@ def _linear_cases() -> dict:
         "fp8_fnuz_m20": (_Fn(fp8_block_linear, w_nz, s_nz), x(4, 5, 384).float()),
         "fp8_stacked_m20": (_Fn(fp8_block_linear_stacked, torch.stack([_fp8_weight(128, 256) for _ in range(2)]),
                                 e8(2, 1, 2)), x(2, 20, 256).float()),
+        # exactly 16 rows: kernel_rows16 still pads (to 32), so its pad never folds away
+        "fp8_m16": (_Fn(fp8_block_linear, _fp8_weight(256, 384), e8(2, 3)), x(4, 4, 384)),
         # 4 experts, blocks naming 2, 0, 2 (a repeat, two never read) as the routed MoE's sel does
         "mxfp4_gathered": (_Fn(mxfp4_linear_gathered, torch.randint(0, 256, (4, 64, 64), generator=G, dtype=torch.uint8),
                                e8(4, 64, 4), extra=(torch.tensor([2, 0, 2]),)), x(3, 5, 128)),
@@ -212,7 +214,7 @@ def test_quant_linear_kernels_vs_float64(impl, tmp_path):
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
     elif impl in ("kernel_bf16", "kernel_f32"):  # FP8 and MXFP4 forms (the gathered MXFP4 one has neither)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
-    # rows16 pads the rows of the static-row (decode) form: static shapes (3 x 5 = 15 rows -> 16)
+    # rows16 pads the rows of the static-row (decode) form: static shapes (10 rows -> 16, 16 and 20 -> 32)
     mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if impl == "kernel_rows16" else ())
     if impl == "kernel_rows16":
         assert "tensor.pad" in mlir.read_text()
