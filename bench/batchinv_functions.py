@@ -38,6 +38,31 @@ def _prefill(eng, bs: int, prompts: list[list[int]]) -> tuple[np.ndarray, list[i
     return last, argmax
 
 
+def random_prompts(lengths: str, vocab: int) -> list[list[int]]:
+    """Random ids (seed 0) for comma-separated prompt lengths: the prompts every batch-invariance check uses."""
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(3, vocab, int(n))] for n in lengths.split(",")]
+
+
+def prefill_alone(eng, rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Fresh state; rows[k] prefilled alone into slot k through the smallest prefill function, chunked.
+    Returns each row's greedy next token and its position (the inputs of the first decode step)."""
+    from dsv4.runtime.batching import pad_rows
+
+    cfg = eng.config
+    pbs = cfg.prefill_batch_sizes[0]
+    eng.state = [eng.module.zeros(s) for s in cfg.state]
+    toks, pos = [], []
+    for k, q in enumerate(rows):
+        for s in range(0, len(q), cfg.prefill_max_tokens):
+            piece = q[s:s + cfg.prefill_max_tokens]
+            _, am = eng._call_rows(f"prefill_bs{pbs}", pbs, np.array(pad_rows([k], pbs, cfg.n_slots)), [piece], [s],
+                                   max(len(piece), cfg.prefill_min_tokens))
+        toks.append(int(np.asarray(am.to_host()).reshape(-1)[0]))
+        pos.append(len(q))
+    return toks, pos
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export_dir")
@@ -46,13 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
 
-    from dsv4.runtime.batching import pad_rows
     from dsv4.runtime.engine import Engine
 
     eng = Engine(args.export_dir, device=args.device)
     cfg = eng.config
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, int(n))] for n in args.prompts.split(",")]
+    prompts = random_prompts(args.prompts, cfg.vocab_size)
     pbs, dbs = cfg.prefill_batch_sizes, cfg.decode_batch_sizes
     print(f"export {args.export_dir}: prefill batch sizes {list(pbs)}, decode {list(dbs)}, "
           f"device {args.device}; max |logit difference| of the same row, 0 = bitwise")
@@ -73,16 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         for bs in dbs:
             rows = [p] + (prompts[:i] + prompts[i + 1:])[:bs - 1]
-            toks, pos, out = [], [], []
-            eng.state = [eng.module.zeros(s) for s in cfg.state]
-            for k, q in enumerate(rows):  # prefill each row alone, into its slot
-                for s in range(0, len(q), cfg.prefill_max_tokens):
-                    piece = q[s:s + cfg.prefill_max_tokens]
-                    slots = np.array(pad_rows([k], pbs[0], cfg.n_slots))
-                    _, am = eng._call_rows(f"prefill_bs{pbs[0]}", pbs[0], slots, [piece], [s],
-                                           max(len(piece), cfg.prefill_min_tokens))
-                toks.append(int(np.asarray(am.to_host()).reshape(-1)[0]))
-                pos.append(len(q))
+            toks, pos = prefill_alone(eng, rows)
+            out = []
             for _ in range(args.steps):
                 lg, am = eng._call_rows(f"decode_bs{bs}", bs, np.arange(bs), [[t] for t in toks], pos, 1)
                 out.append(np.array(lg.to_host()[0], copy=True))

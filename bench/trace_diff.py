@@ -115,27 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder()
     plain = rt.create_hal_module
     rt.create_hal_module = lambda inst, device=None, **kw: plain(inst, device, debug_sink=rt.HalModuleDebugSink(rec), **kw)
-    from dsv4.runtime.batching import pad_rows
+    from batchinv_functions import prefill_alone, random_prompts  # bench/, beside this script
     from dsv4.runtime.engine import Engine
 
     eng = Engine(args.export_dir, device=args.device)
     rec.device = eng.module.device
-    cfg = eng.config
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, int(n))] for n in args.prompts.split(",")]
-    pbs = cfg.prefill_batch_sizes[0]
+    prompts = random_prompts(args.prompts, eng.config.vocab_size)
 
     def run(bs: int, trace_step: int | None) -> tuple[list[np.ndarray], list]:
         rows = prompts[:bs]
-        eng.state = [eng.module.zeros(s) for s in cfg.state]
-        toks, pos = [], []
-        for k, q in enumerate(rows):
-            for s in range(0, len(q), cfg.prefill_max_tokens):
-                piece = q[s:s + cfg.prefill_max_tokens]
-                _, am = eng._call_rows(f"prefill_bs{pbs}", pbs, np.array(pad_rows([k], pbs, cfg.n_slots)), [piece], [s],
-                                       max(len(piece), cfg.prefill_min_tokens))
-            toks.append(int(np.asarray(am.to_host()).reshape(-1)[0]))
-            pos.append(len(q))
+        toks, pos = prefill_alone(eng, rows)
         out, records = [], []
         for step in range(args.steps):
             rec.on, rec.records = step == trace_step, []

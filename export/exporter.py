@@ -208,12 +208,12 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     cpu_only = all(t.name == "llvm-cpu" for t in tgts)
     if "*" not in out and cpu_only:
         out.setdefault("mxfp4_linear_gathered", "kernel")
-    if batch_invariant and not cpu_only and any(t.name == "llvm-cpu" for t in tgts):
-        raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
-                          "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
-                          "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
-                          "batch-invariant by default) and the GPU target(s) separately with it")
     if batch_invariant and not cpu_only:
+        if any(t.name == "llvm-cpu" for t in tgts):
+            raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
+                              "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
+                              "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
+                              "batch-invariant by default) and the GPU target(s) separately with it")
         from .model_kernels import MODEL_OPS
 
         for name, op in MODEL_OPS.items():

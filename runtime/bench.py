@@ -387,7 +387,7 @@ def make_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     notes: list[str] = []
     if args.steps <= 0 or args.warmup < 0:
         raise BenchError(f"--steps must be > 0 and --warmup >= 0, got {args.steps}/{args.warmup}")
-    if getattr(args, "no_iree", False) and not args.compare:
+    if args.no_iree and not args.compare:
         raise BenchError("--no-iree needs --compare: nothing else to time")
     if args.prefill <= 0:
         raise BenchError(f"--prefill must be > 0, got {args.prefill}")
@@ -441,7 +441,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
     params = parameter_sizes(eng.parameters_paths)
 
-    backends: list[Backend] = [] if getattr(args, "no_iree", False) else [iree_be]
+    backends: list[Backend] = [] if args.no_iree else [iree_be]
     for name in args.compare:
         from dsv4.model.bench_torch import TorchBackend
 
