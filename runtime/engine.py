@@ -147,8 +147,8 @@ class Engine:
         call when that is 1), so a request's logits are bitwise the same whatever else is running:
         IREE compiles prefill_bs1 and prefill_bs4 into code that rounds differently
         (docs/batch-invariance.md; the cost is measured there). Decode stays batched: its functions
-        agree bit for bit on llvm-cpu; on a GPU only in an export made with ``--batch-invariant``,
-        and there for decode batch sizes up to 8 (measured on the H200). False batches prefills across the
+        agree bit for bit on llvm-cpu; on a GPU only in an export made with ``--batch-invariant``
+        (measured on the H200 at decode batch sizes 1 to 64). False batches prefills across the
         exported sizes (fewer calls, logits may differ in the last bits with the company).
         Raises ArtifactError for a missing, corrupt or mismatched artifact and EngineError for an
         unknown or unavailable device.
