@@ -64,7 +64,8 @@ class Kernel:
     def mlir_template(self) -> str:
         if self.mlir is None:
             raise ValueError(f"kernel {self.name!r} has no MLIR template")
-        return self.mlir.read_text()
+        # the shared macros first (rows.mlir.jinja), so every template can call them
+        return self.mlir.with_name("rows.mlir.jinja").read_text() + self.mlir.read_text()
 
     @property
     def summary(self) -> str:
