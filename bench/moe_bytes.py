@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.model.config import ModelConfig
-from dsv4.model.kernels.moe import GROUP_BLOCK, GROUP_BLOCK_TRACED, moe_experts_routed
+from dsv4.model.kernels.moe import GROUP_BLOCK, moe_experts_routed
 
 
 class _GatherBytes(TorchDispatchMode):
@@ -87,33 +87,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="flash")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--block", type=int, default=None, help=f"rows per block (default: the kernel's, "
-                    f"{GROUP_BLOCK} for a static token count, {GROUP_BLOCK_TRACED} for a traced one)")
+    ap.add_argument("--block", type=int, default=None, help=f"rows per block (default: the kernel's, {GROUP_BLOCK})")
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 2048, 4096])
     a = ap.parse_args(argv)
     cfg = ModelConfig.preset(a.preset)
     E, k, L = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_layers
     gb = 1e9
-    bd, bt = a.block or GROUP_BLOCK, a.block or GROUP_BLOCK_TRACED
+    blk = a.block or GROUP_BLOCK
     print(f"{a.preset}: {L} MoE layers per decode step (the MTP block's MoE is not in decode_bs*), E={E}, "
           f"top-{k}, dim {cfg.hidden_size}, moe_inter {cfg.moe_intermediate_size}, experts {cfg.expert_dtype}; "
           f"{expert_bytes(cfg):,} B per expert (w1+w2+w3 + scales)")
-    print(f"\ndecode step (T=1, static batch; grouped blocks of {bd} when batch*k > E): expert-weight bytes")
+    print(f"\ndecode step (T=1, static batch; grouped blocks of {blk} when batch*k > E): expert-weight bytes")
     print(f"{'batch':>5} | {'graph reads GB':>14} | {'experts/layer':>13} | {'ideal GB (E[distinct])':>22} | "
           f"{'worst distinct GB':>17} | {'all experts GB':>14} | graph/ideal")
     for r in decode_table(cfg, a.batch, a.block):
         print(f"{r['batch']:>5} | {r['graph'] / gb:>14.2f} | {r['graph_experts']:>13.1f} | "
               f"{r['ideal'] / gb:>14.2f} ({r['ideal_experts']:5.1f}) | {r['worst'] / gb:>17.2f} | "
               f"{r['all'] / gb:>14.2f} | {r['graph'] / r['ideal']:.2f}")
-    print(f"\nprefill bs1, one layer, blocks of {bt}: GEMM rows vs routed rows T*k (all experts: T*E = "
-          f"{E / k:.1f}x routed). static T: the tight block bound; exported (T dynamic): E + T*k // {bt} blocks")
+    print(f"\nprefill bs1, one layer, blocks of {blk}: GEMM rows vs routed rows T*k (all experts: T*E = "
+          f"{E / k:.1f}x routed). static T: the tight block bound; exported (T dynamic): E + T*k // {blk} blocks")
     print(f"{'T':>5} | {'routed':>7} | {'static rows':>11} | {'ratio':>5} | {'reads':>5} | "
           f"{'exported rows':>13} | {'ratio':>5} | {'reads':>5}")
     for t in a.chunks:
-        got, r = routed_trace(cfg, t, bt)
-        g_dyn = E + t * k // bt
+        got, r = routed_trace(cfg, t, blk)
+        g_dyn = E + t * k // blk
         print(f"{t:>5} | {t * k:>7} | {r:>11} | {r / (t * k):>5.2f} | {got / expert_bytes(cfg):>5.0f} | "
-              f"{g_dyn * bt:>13} | {g_dyn * bt / (t * k):>5.2f} | {g_dyn:>5}")
+              f"{g_dyn * blk:>13} | {g_dyn * blk / (t * k):>5.2f} | {g_dyn:>5}")
     return 0
 
 

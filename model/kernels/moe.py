@@ -59,13 +59,12 @@ def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, indices: torch
 # routed form: only the selected experts' (packed) weights are gathered, every row runs its own
 # experts. Export traces it for the `moe_experts` kernel by default; eager keeps the reference.
 
-# Rows per block of the grouped path (one gathered expert serves Mb token slots). A static pair
-# count (decode batches) is bandwidth bound: big blocks, fewer expert reads (bs64 Flash: 264 vs 256
-# experts). A traced one (prefill, T dynamic) is compute bound: small blocks keep the padded rows
-# (<= E*Mb) small; 4 keeps Flash within 1.5x of the routed FLOPs from a 512-token chunk at batch 1
-# (bench/moe_bytes.py prints both tables).
+# Rows per block of the grouped path (one gathered expert serves Mb token slots), decode batches and
+# prefill alike. Big blocks mean fewer expert reads (bs64 Flash: 264 vs 256 experts) and GEMMs that
+# a GPU runs well: on the H200 the largest of a Flash prefill's block GEMMs took 1,482 ms per
+# 128-token call with 4 rows per block and 6.8 ms with 16 (TTFT 3.1 s -> 0.18 s; docs/performance.md).
+# The price is padded rows (<= E*Mb per layer and chunk; bench/moe_bytes.py prints the ratio).
 GROUP_BLOCK = 16
-GROUP_BLOCK_TRACED = 4
 
 
 def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -115,8 +114,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (one-hot +
         cumsum, no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows (default GROUP_BLOCK for a static P, GROUP_BLOCK_TRACED for a traced
-        one). Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
+        multiplies `block` rows (default GROUP_BLOCK). Rows <= P + E*block: within 1.5x of the
+        routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
     E, d = w1.shape[0], x.shape[-1]
@@ -125,7 +124,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
                          f"indices {tuple(indices.shape)} disagree")
     P = N * k
     if block is None:
-        block = GROUP_BLOCK if isinstance(P, int) else GROUP_BLOCK_TRACED
+        block = GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
     e = indices.reshape(-1)
