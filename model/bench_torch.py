@@ -47,12 +47,15 @@ class TorchBackend:
         if name == "torch-compile":
             import torch._dynamo as dynamo
 
-            # torch.compile as a user calls it (mode default, automatic dynamic shapes: a second batch
-            # size recompiles once with a dynamic batch); a higher recompile limit so it never falls back to eager
+            # mode default, one static graph per shape, as a server with fixed batch sizes compiles it
+            # (and as the export specializes). Automatic dynamic shapes would recompile the second
+            # batch size with a symbolic batch (and a symbolic routed-MoE block count); at Flash
+            # dimensions that recompile did not finish in 400 s. A higher recompile limit so
+            # it never falls back to eager.
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
-            self.fn = torch.compile(self.model)
+            self.fn = torch.compile(self.model, dynamic=False)
 
     def _run(self, tokens, start, lengths, slots) -> np.ndarray:
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731

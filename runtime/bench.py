@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for TTFT (capped at max_seq_len)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them (default 4)")
-    p.add_argument("--compare", type=_backends, default=[], help="torch backends: torch-eager,torch-compile")
+    p.add_argument("--compare", type=_backends, default=[],
+                   help="torch backends: torch-eager,torch-compile (mode default, one static graph per shape)")
     p.add_argument("--no-iree", action="store_true",
                    help="time only the --compare backends (to split a long comparison over two runs)")
     p.add_argument("--copy-mib", type=int, default=None,
