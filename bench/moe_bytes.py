@@ -54,7 +54,7 @@ def _expert_tensors(cfg: ModelConfig, device: str = "meta") -> tuple:
     return tuple(ts)
 
 
-def routed_trace(cfg: ModelConfig, tokens: int, block: int | None = None) -> tuple[int, int]:
+def routed_trace(cfg: ModelConfig, tokens: int, block: int = GROUP_BLOCK) -> tuple[int, int]:
     """(expert-weight bytes gathered, GEMM rows) of one MoE layer for `tokens` flattened tokens."""
     w1, s1, w2, s2, w3, s3 = _expert_tensors(cfg)
     k = cfg.num_experts_per_tok
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndecode step (T=1, static batch; grouped blocks of {blk} when batch*k > E): expert-weight bytes")
     print(f"{'batch':>5} | {'graph reads GB':>14} | {'experts/layer':>13} | {'ideal GB (E[distinct])':>22} | "
           f"{'worst distinct GB':>17} | {'all experts GB':>14} | graph/ideal")
-    for r in decode_table(cfg, a.batch, a.block):
+    for r in decode_table(cfg, a.batch, blk):
         print(f"{r['batch']:>5} | {r['graph'] / gb:>14.2f} | {r['graph_experts']:>13.1f} | "
               f"{r['ideal'] / gb:>14.2f} ({r['ideal_experts']:5.1f}) | {r['worst'] / gb:>17.2f} | "
               f"{r['all'] / gb:>14.2f} | {r['graph'] / r['ideal']:.2f}")

@@ -105,7 +105,7 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
-                       block: int | None = None) -> torch.Tensor:
+                       block: int = GROUP_BLOCK) -> torch.Tensor:
     """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
 
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
@@ -114,7 +114,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (one-hot +
         cumsum, no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows (default GROUP_BLOCK). Rows <= P + E*block: within 1.5x of the
+        multiplies `block` rows. Rows <= P + E*block: within 1.5x of the
         routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
@@ -123,8 +123,6 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         raise ValueError(f"moe_experts_routed: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
                          f"indices {tuple(indices.shape)} disagree")
     P = N * k
-    if block is None:
-        block = GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
     e = indices.reshape(-1)
