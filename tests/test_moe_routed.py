@@ -21,7 +21,7 @@ import torch
 from dsv4.model import kernels as mk
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.moe import (GROUP_BLOCK, grouped_blocks, merged_slot_weights, moe_experts,
-                                    moe_experts_routed, routed_moe)
+                                    moe_experts_routed, pair_ranks, routed_moe)
 from dsv4.model.model import MoE, Transformer, init_random
 from dsv4.model.state import new_state
 
@@ -156,6 +156,15 @@ def test_merged_slot_weights():
     w = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
     i = torch.tensor([[5, 2, 5, 5]])
     assert merged_slot_weights(w, i).tolist() == [[0.1 + 0.3 + 0.4, 0.2, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("pairwise", [False, True])
+def test_pair_ranks_count_earlier_pairs_of_the_same_expert(pairwise):
+    g = torch.Generator().manual_seed(3)
+    for P, E in ((1, 4), (37, 5), (200, 256)):
+        e = torch.randint(0, E, (P,), generator=g)
+        want = [sum(1 for j in range(i) if e[j] == e[i]) for i in range(P)]  # the definition, by loops
+        assert pair_ranks(e, E, pairwise=pairwise).tolist() == want
 
 
 def test_bad_input_is_named():

@@ -102,6 +102,24 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
     return n_experts + n_pairs // block
 
 
+def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
+    """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
+    counting-sort rank). `pairwise` (the default when tracing for export): a P x P compare-and-count,
+    one parallel reduction. Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE
+    compiles to a scan run sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at
+    batch 64 on the H200, docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE
+    3.13's cuda backend fails to compile an integer sum whose input is computed in the same dispatch
+    ("failed to distribute"; docs/kernels.md)."""
+    if pairwise is None:
+        pairwise = torch.compiler.is_exporting()
+    if pairwise:
+        i = torch.arange(e.shape[0], device=e.device)
+        earlier = (i[None, :] < i[:, None]).to(torch.float32)  # [i, j]: j before i (a bool `&` does not lower)
+        return ((e[None, :] == e[:, None]).to(torch.float32) * earlier).sum(1).to(torch.int64)
+    onehot = (e[:, None] == torch.arange(n_experts, device=e.device)[None, :]).to(torch.int64)  # [P,E]
+    return onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1
+
+
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
@@ -111,8 +129,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
       * P static and P <= E (decode): each pair gathers its expert's packed weights (P expert
         reads, P rows: exactly the routed FLOPs);
-      * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (one-hot +
-        cumsum, no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
+      * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
+        no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
         multiplies `block` rows. Rows <= P + E*block: within 1.5x of the
         routed FLOPs once P >= 2*E*block.
@@ -131,9 +149,9 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     if isinstance(P, int) and P <= E:
         out = _expert_rows(x[tok][:, None, :], wp[:, None], e, w1, s1, w2, s2, w3, s3, limit)
         return out.view(N, k, d).sum(1)
-    onehot = (e[:, None] == torch.arange(E, device=x.device)[None, :]).to(torch.int64)  # [P,E]
-    count = onehot.sum(0)
-    rank = onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1  # position of the pair in its expert's group
+    # pairs per expert, summed in f32 as pair_ranks does (exact; IREE's cuda backend failed on the integer sum)
+    count = (torch.arange(E, device=x.device)[:, None] == e[None, :]).to(torch.float32).sum(1).to(torch.int64)
+    rank = pair_ranks(e, E)  # position of the pair in its expert's group
     nblk = (count + block - 1) // block
     blk_end = nblk.cumsum(0)
     dest = (blk_end - nblk)[e] * block + rank  # row of each pair in the padded buffer, all distinct
