@@ -1,0 +1,65 @@
+"""Where do non-finite values appear? Prefill a random prompt, then greedy decode, on an export; after
+every call print how many logits are not finite and which state tensors (and which layer groups of
+them) hold NaN/inf.
+
+    python bench/nonfinite_probe.py OUT [--device cuda] [--tokens 128] [--steps 3]
+
+Session 11 found with it (Flash --layers 4, bf16, cuda): the prefill of 128 tokens is finite, the
+first decode step (position 128) returns all-NaN logits while every state tensor stays finite, so
+the NaN is made after the last state write of that step (docs/real-size.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    import iree.runtime as rt
+
+    from dsv4.runtime import Engine
+
+    eng = Engine(a.out, device=a.device)
+
+    def values(x) -> np.ndarray:
+        # the buffer's own element type (bf16 -> ml_dtypes): the engine's state arrays override it with
+        # their uint16 storage, and to_host would then convert the values, not reinterpret the bits
+        return np.asarray(rt.DeviceArray(x._device, x._buffer_view).to_host()).astype(np.float32)
+
+    def report(what: str, logits) -> np.ndarray:
+        lg = values(logits)
+        bad = []
+        for spec, x in zip(eng.config.state, eng.state):
+            if "float" not in spec.dtype:
+                continue
+            v = values(x)
+            n = int((~np.isfinite(v)).sum())
+            if n:
+                groups = sorted(set(np.argwhere(~np.isfinite(v))[:, 1].tolist()))
+                bad.append(f"{spec.name}{list(v.shape)}: {n} in groups {groups}")
+        print(f"{what}: {int((~np.isfinite(lg)).sum())} of {lg.size} logits not finite; "
+              f"state: {'; '.join(bad) if bad else 'all finite'}", flush=True)
+        return lg
+
+    T = a.tokens
+    ids = np.random.default_rng(a.seed).integers(2, eng.config.vocab_size, size=T).astype(np.int64)
+    lg = report(f"prefill {T}", eng.invoke("prefill_bs1", ids[None], np.array([0]), np.array([T]), np.array([0]))[0])
+    for step in range(a.steps):
+        finite = np.where(np.isfinite(lg.reshape(-1)), lg.reshape(-1), -np.inf)
+        tok = np.array([[int(np.argmax(finite))]], dtype=np.int64)
+        pos = T + step
+        lg = report(f"decode at position {pos}", eng.invoke("decode_bs1", tok, np.array([pos]), np.array([1]), np.array([0]))[0])
+
+
+if __name__ == "__main__":
+    main()
