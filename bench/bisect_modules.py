@@ -11,6 +11,12 @@ the same (memory-mapped) weights, and prints each output's max |diff| relative t
 in execution order. With fp32 activations a correct graph stays near fp32 rounding (~1e-6) until
 a quantization step (FP8 activation / KV roundings) lands on the other side of a rounding
 boundary; the first module far above that, with its input still close, is where to look.
+
+--decode: the probe is one decode step at position --tokens instead, from the state the export's
+own prefill_bs1 leaves after --tokens prompt tokens (both sides start from that same state). A
+non-finite output shows as `rel err nan` on the first module that makes it.
+A GPU host has no IREE compiler: build the probe here (--build-only; it lands in --work), carry it,
+and run it there with --probe FILE --device cuda.
 """
 
 from __future__ import annotations
@@ -43,6 +49,30 @@ def _flat(x):
     return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
 
 
+def _state_values(x) -> np.ndarray:
+    """A state device array's raw storage (bf16 as its uint16 bits, fp8 as uint8), on the host."""
+    import iree.runtime as rt
+
+    # the buffer's own element type: the engine's arrays override it with their storage dtype, and
+    # to_host then converts values instead of keeping the bits
+    arr = rt.DeviceArray(x._device, x._buffer_view)
+    a = np.array(arr.to_host(), copy=True)  # a copy: the host view dies with `arr`
+    return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind not in "iuf" else a
+
+
+def _device_state(mod, spec, host: np.ndarray):
+    """`host` (raw storage, as _state_values gives it) as a device array of the state's element type."""
+    import iree.runtime as rt
+
+    from dsv4.runtime.artifact import DTYPES
+
+    storage, et = DTYPES[spec.dtype]
+    bv = mod.device.allocator.allocate_buffer_copy(
+        memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=mod.device,
+        buffer=np.ascontiguousarray(host).view(storage), element_type=getattr(rt.HalElementType, et))
+    return rt.DeviceArray(mod.device, bv, override_dtype=np.dtype(storage))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="export directory with weights")
@@ -51,16 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="llvm-cpu")
     ap.add_argument("--eager-moe", choices=("reference", "routed"), default="routed")
     ap.add_argument("--work", default=None, help="folder for the probe MLIR/vmfb (default: OUT/bisect)")
+    ap.add_argument("--decode", action="store_true",
+                    help="probe one decode step at position --tokens (after the export's own prefill)")
+    ap.add_argument("--build-only", action="store_true", help="trace and compile the probe, then stop")
+    ap.add_argument("--probe", metavar="VMFB", help="a probe built earlier (--build-only): no tracing here")
+    ap.add_argument("--device", default=None, help="IREE driver that runs it (default: the target's)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
 
     import torch
-    from iree.turbine import aot
 
-    import dsv4.export  # noqa: F401  (compat shim)
-    from dsv4.export.compile import compile_mlir, resolve_target
-    from dsv4.export.exporter import _no_stack_traces, _trace
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.compile import resolve_target
     from dsv4.model.checkpoint import load_irpa
     from dsv4.model.config import ModelConfig
     from dsv4.model.kernels.linear import fp8_act_qdq
@@ -75,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[exp.raw["activation_dtype"]]
     quantized = any(dt.startswith("float8") for _, _, dt in exp.raw["weights"]["tensors"])
     tgt = resolve_target(args.target)
-    files = exp.parameters_for(tgt.name)
     work = Path(args.work or Path(args.out) / "bisect")
     work.mkdir(parents=True, exist_ok=True)
 
@@ -117,9 +147,56 @@ def main(argv: list[str] | None = None) -> int:
         return [torch.zeros(s, dtype=dt) for s, dt in state_spec(cfg, exp.n_slots, act).values()]
 
     T = args.tokens
-    ids = torch.from_numpy(np.random.default_rng(args.seed).integers(2, cfg.vocab_size, size=(1, T)))
+    rng = np.random.default_rng(args.seed)
+    ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, size=(1, T)))
     z = torch.zeros(1, dtype=torch.int64)
     call = (ids, z, z + T, z)
+    state0 = zeros_state()
+    if args.decode:  # one token at position T; its state is what the export's own prefill leaves
+        call = (torch.from_numpy(rng.integers(2, cfg.vocab_size, size=(1, 1))), z + T, z + 1, z)
+    vmfb = Path(args.probe) if args.probe else work / f"probe.{tgt.name}.vmfb"
+
+    if not args.probe:  # --- the probe traced as export traces (parameters by name, kernels by default)
+        from iree.turbine import aot
+
+        import dsv4.export  # noqa: F401  (compat shim)
+        from dsv4.export.compile import compile_mlir
+        from dsv4.export.exporter import _no_stack_traces, _trace
+        from dsv4.export.model_kernels import use_kernels
+
+        t0 = time.perf_counter()
+        tmodel = empty_model(cfg, act, quantized=quantized)
+        tprobe = Probe(tmodel).eval()
+        aot.externalize_module_parameters(tprobe, external_scope=PARAM_SCOPE)
+        fxb = aot.FxProgramsBuilder(tprobe)
+
+        def fn(m, tokens, start_pos, lengths, slots, state):
+            return Probe.step(m, tokens, start_pos, lengths, slots, state)
+
+        with torch.no_grad(), use_kernels({}), _no_stack_traces():
+            _trace(fxb, "probe", fn, (*call, state0), None)
+        mlir = work / "probe.mlir"
+        aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+        compile_mlir(mlir, tgt, vmfb)
+        print(f"compiled the probe in {time.perf_counter() - t0:.1f} s: {vmfb}", file=sys.stderr)
+        if args.build_only:
+            return 0
+
+    driver = args.device or tgt.driver
+    files = exp.parameters_for(tgt.name)
+    mod = IreeModule(vmfb, files, driver=driver)
+    state = [mod.zeros(s) for s in exp.state]
+    if args.decode:  # the export's own prefill fills the state; both sides start from it
+        from dsv4.runtime import Engine
+
+        eng = Engine(args.out, device=driver)
+        eng.invoke("prefill_bs1", ids.numpy(), np.zeros(1, np.int64), np.array([T]), np.zeros(1, np.int64))
+        host = [_state_values(x) for x in eng.state]
+        del eng
+        state = [_device_state(mod, spec, h) for spec, h in zip(exp.state, host)]
+        signed = {1: np.int8, 2: np.int16}  # torch reinterprets int8/int16 as fp8/bf16 (uint16 has no view)
+        state0 = [torch.from_numpy(h.view(signed.get(h.dtype.itemsize, h.dtype)) if h.dtype.kind == "u" else h).view(dt)
+                  for h, (_, dt) in zip(host, state_spec(cfg, exp.n_slots, act).values())]
 
     # --- eager, on the mapped weights
     t0 = time.perf_counter()
@@ -129,27 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     from contextlib import nullcontext
 
     with torch.no_grad(), routed_moe() if args.eager_moe == "routed" else nullcontext():
-        want = [t.float().numpy() if t.is_floating_point() else t.numpy() for t in probe.step(*call, zeros_state())]
+        want = [t.float().numpy() if t.is_floating_point() else t.numpy() for t in probe.step(*call, state0)]
     print(f"eager: {len(want)} outputs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-    # --- compiled: the same probe traced as export traces (parameters by name, kernels by default)
-    t0 = time.perf_counter()
-    tmodel = empty_model(cfg, act, quantized=quantized)
-    tprobe = Probe(tmodel).eval()
-    aot.externalize_module_parameters(tprobe, external_scope=PARAM_SCOPE)
-    fxb = aot.FxProgramsBuilder(tprobe)
-
-    def fn(m, tokens, start_pos, lengths, slots, state):
-        return Probe.step(m, tokens, start_pos, lengths, slots, state)
-
-    with torch.no_grad(), use_kernels({}), _no_stack_traces():
-        _trace(fxb, "probe", fn, (*call, zeros_state()), None)
-    mlir = work / "probe.mlir"
-    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
-    vmfb = compile_mlir(mlir, tgt, work / f"probe.{tgt.name}.vmfb").path
-    print(f"compiled the probe in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    mod = IreeModule(vmfb, files, driver=tgt.driver)
-    state = [mod.zeros(s) for s in exp.state]
     t0 = time.perf_counter()
     got = mod("probe", *[a.numpy() for a in call], *state)
     print(f"compiled probe ran in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
