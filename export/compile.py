@@ -69,6 +69,14 @@ GPU_REDUCTION_FLAG = "--iree-codegen-llvmgpu-use-reduction-vector-distribution=f
 # wq_b [32768, 1024] wrote a 134 MB f32 copy every decode step (2.3 of 26 ms on the H200). 512 MiB
 # takes every dense FP8 linear of Flash and Pro but not an f32 copy of the head or a stack of experts.
 HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
+# GPU targets: no concurrent dispatches (IREE's stream scheduler puts independent dispatches of a step
+# into concurrent regions). With its default (min-peak-memory) and with max-concurrency, a Flash decode
+# on cuda got layer 3's sparse attention output NaN in 2 of its 512 columns (every head) from the first
+# HCA entry on (with max-concurrency not on every step); the same dispatches on the same inputs, run
+# alone, are exact, and cuda's stream mode or synchronous allocations did not change it. With `debug` (one
+# dispatch after the other) the step is eager-close and was not slower on the H200 (docs/real-size.md,
+# session 12). The CPU target keeps IREE's default: the llvm-cpu runs never showed it.
+PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
         driver=TARGET_DRIVERS["gfx942"],
-        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG),
+        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG, PARTITIONING_FLAG),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
@@ -134,7 +142,7 @@ TARGETS: dict[str, Target] = {
     "cuda": Target(
         name="cuda",
         driver=TARGET_DRIVERS["cuda"],
-        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG),
+        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG, PARTITIONING_FLAG),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",

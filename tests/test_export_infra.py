@@ -161,6 +161,10 @@ def test_target_arch_override() -> None:
     assert "--iree-llvmcpu-target-cpu=generic" in gen.flags and "--iree-llvmcpu-target-cpu=host" not in gen.flags
     assert resolve_target(None).name == "gfx942"
     assert "--iree-llvmgpu-enable-small-float-emulation" not in resolve_target("gfx942").flags
+    # the default stream partitioning corrupted a Flash decode on cuda (export/compile.py PARTITIONING_FLAG);
+    # an arch override must keep the flag
+    for t in ("gfx942", "cuda", "cuda:sm_80"):
+        assert "--iree-stream-partitioning-favor=debug" in resolve_target(t).flags
 
 
 BAD_MLIR = """func.func @f(%a: tensor<4xi32>) -> tensor<4xi32> {
