@@ -5,16 +5,18 @@
 OUT is an export with weights (e.g. `dsv4 export --preset flash --layers 2 --dtype fp32 --no-weights`
 + `dsv4 weights random`). Traces one prefill of --tokens tokens from an empty state (the graph the
 exporter traces, kernels as export picks them), returning the output of every module of interest
-(each layer's norms, attention linears, attention, MoE gate / routed experts / shared expert, block,
-and the logits), compiles it for --target, runs it on the export's own .irpa and the eager model on
-the same (memory-mapped) weights, and prints each output's max |diff| relative to its max |value|,
-in execution order. With fp32 activations a correct graph stays near fp32 rounding (~1e-6) until
+(each layer's norms, attention linears, compressor entries, sparse attention's inputs and output,
+attention, MoE gate / routed experts / shared expert, block, and the logits), compiles it for
+--target, runs it on the export's own .irpa and the eager model on the same (memory-mapped)
+weights, and prints each output's max |diff| relative to its max |value|, in execution order. With fp32 activations a correct graph stays near fp32 rounding (~1e-6) until
 a quantization step (FP8 activation / KV roundings) lands on the other side of a rounding
 boundary; the first module far above that, with its input still close, is where to look.
 
 --decode: the probe is one decode step at position --tokens instead, from the state the export's
 own prefill_bs1 leaves after --tokens prompt tokens (both sides start from that same state). A
-non-finite output shows as `rel err nan` on the first module that makes it.
+non-finite output shows as `rel err nan` on the first module that makes it. Every output of both
+sides lands in WORK/outputs.npz ("got <label>", "want <label>"), e.g. to replay one op's inputs alone.
+--kernel OP=IMPL traces the probe with another lowering of a hot spot (as `dsv4 export --kernel`).
 A GPU host has no IREE compiler: build the probe here (--build-only; it lands in --work), carry it,
 and run it there with --probe FILE --device cuda.
 """
@@ -30,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 # module names (relative to the Transformer) whose outputs are compared, per layer ("X:in": X's input)
+# "attn.compressor": its entries only; "attn.sparse": sparse_attention's inputs and output
 _PER_LAYER = ("hc_attn", "attn_norm", "attn.wq_a", "attn.q_norm", "attn.wq_b", "attn.wkv", "attn.kv_norm",
-              "attn.wo_b:in", "attn.wo_b", "attn", "ffn_norm", "ffn.gate", "ffn.experts", "ffn.shared_experts",
-              "ffn", "")
+              "attn.compressor", "attn.sparse", "attn.wo_b:in", "attn.wo_b", "attn", "ffn_norm", "ffn.gate",
+              "ffn.experts", "ffn.shared_experts", "ffn", "")
 
 
 # outputs that FP8 linears take as input (and quantize): attn_norm -> wq_a, wkv; q_norm -> wq_b;
@@ -86,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-only", action="store_true", help="trace and compile the probe, then stop")
     ap.add_argument("--probe", metavar="VMFB", help="a probe built earlier (--build-only): no tracing here")
     ap.add_argument("--device", default=None, help="IREE driver that runs it (default: the target's)")
+    ap.add_argument("--kernel", action="append", default=[], metavar="OP=IMPL",
+                    help="trace the probe with this lowering of a hot spot (as `dsv4 export --kernel`)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    kernels = dict(k.split("=", 1) for k in args.kernel)
 
     import torch
 
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv4.runtime.artifact import PARAM_SCOPE, ExportConfig
     from dsv4.runtime.module import IreeModule
 
-    exp = ExportConfig.load(args.out)
+    exp = ExportConfig.load(args.out, weights=not args.build_only)
     cfg = ModelConfig.from_dict(exp.model)
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[exp.raw["activation_dtype"]]
     quantized = any(dt.startswith("float8") for _, _, dt in exp.raw["weights"]["tensors"])
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(cfg.n_layers):
         for sub in _PER_LAYER:
             n = f"layers.{i}" + (f".{sub}" if sub else "")
-            if sub == "hc_attn" or n.split(":")[0] in dict(model.named_modules()):
+            if sub in ("hc_attn", "attn.sparse") or n.split(":")[0] in dict(model.named_modules()):
                 names.append(n)
     names.append("norm")
     state_names = list(state_spec(cfg, exp.n_slots, act))
@@ -127,18 +133,33 @@ def main(argv: list[str] | None = None) -> int:
             self.model = m
 
         def step(self, tokens, start_pos, lengths, slots, state):
+            import dsv4.model.model as mm
+
             got: list = []
             hooks = []
             mods = dict(self.model.named_modules())
             for n in names:
+                if n.endswith("attn.sparse"):  # a function, recorded by the wrapper below
+                    continue
                 if n.endswith("hc_attn") or n.endswith(":in"):  # a module's input: the block's streams
                     m = mods[n.rsplit(".", 1)[0]] if n.endswith("hc_attn") else mods[n[:-3]]
                     hooks.append(m.register_forward_pre_hook(lambda mod, a: got.extend(_flat(a[0]))))
+                elif n.endswith("compressor"):  # (entries, ids, done, ring k, ring z): the entries
+                    hooks.append(mods[n].register_forward_hook(lambda mod, a, out: got.append(out[0])))
                 else:
                     hooks.append(mods[n].register_forward_hook(lambda mod, a, out: got.extend(_flat(out))))
+            attention = mm.sparse_attention
+
+            def recorded(q, kv, idx, sink, scale):
+                o = attention(q, kv, idx, sink, scale)
+                got.extend([q, kv, idx, sink, o])
+                return o
+
+            mm.sparse_attention = recorded
             try:
                 logits = self.model(tokens, start_pos, lengths, slots, dict(zip(state_names, state)))
             finally:
+                mm.sparse_attention = attention
                 for h in hooks:
                     h.remove()
             return (logits, *[t.float() if t.is_floating_point() else t for t in got])
@@ -173,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         def fn(m, tokens, start_pos, lengths, slots, state):
             return Probe.step(m, tokens, start_pos, lengths, slots, state)
 
-        with torch.no_grad(), use_kernels({}), _no_stack_traces():
+        with torch.no_grad(), use_kernels(kernels), _no_stack_traces():
             _trace(fxb, "probe", fn, (*call, state0), None)
         mlir = work / "probe.mlir"
         aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
@@ -212,16 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     got = mod("probe", *[a.numpy() for a in call], *state)
     print(f"compiled probe ran in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    np.savez(work / "outputs.npz", **{f"got{j}": np.asarray(g) for j, g in enumerate(got)},
-             **{f"want{j}": w for j, w in enumerate(want)})
 
     # labels in hook order (= execution order); the gate returns (weights, indices)
     expanded = ["logits"]
     for n in names:
-        expanded += [f"{n}.weights", f"{n}.indices"] if n.endswith("ffn.gate") else [n]
+        expanded += ([f"{n}.weights", f"{n}.indices"] if n.endswith("ffn.gate") else
+                     [f"{n}.{a}" for a in ("q", "kv", "idx", "sink", "out")] if n.endswith("attn.sparse") else [n])
     if len(expanded) != len(want):
         raise SystemExit(f"{len(want)} outputs for {len(expanded)} labels: a hooked module ran more or less "
                          "than once")
+    np.savez(work / "outputs.npz", **{f"got {n}": np.asarray(g) for n, g in zip(expanded, got)},
+             **{f"want {n}": w for n, w in zip(expanded, want)})
     rows = []
     order = list(range(1, len(want))) + [0]  # execution order, logits last
     for j in order:
