@@ -52,14 +52,19 @@ def _flat(x):
     return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
 
 
-def _state_values(x) -> np.ndarray:
-    """A state device array's raw storage (bf16 as its uint16 bits, fp8 as uint8), on the host."""
+def host_copy(x) -> np.ndarray:
+    """A device array on the host with its buffer's own element type (bf16 as ml_dtypes.bfloat16).
+    The engine's state arrays override the dtype with their storage dtype (uint16 for bf16), and
+    to_host would then convert the values instead of keeping the bits."""
     import iree.runtime as rt
 
-    # the buffer's own element type: the engine's arrays override it with their storage dtype, and
-    # to_host then converts values instead of keeping the bits
     arr = rt.DeviceArray(x._device, x._buffer_view)
-    a = np.array(arr.to_host(), copy=True)  # a copy: the host view dies with `arr`
+    return np.array(arr.to_host(), copy=True)  # a copy: the host view dies with `arr`
+
+
+def _state_values(x) -> np.ndarray:
+    """A state device array's raw storage (bf16 as its uint16 bits, fp8 as uint8), on the host."""
+    a = host_copy(x)
     return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind not in "iuf" else a
 
 

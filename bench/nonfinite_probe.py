@@ -6,7 +6,8 @@ them) hold NaN/inf.
 
 Session 11 found with it (Flash --layers 4, bf16, cuda): the prefill of 128 tokens is finite, the
 first decode step (position 128) returns all-NaN logits while every state tensor stays finite, so
-the NaN is made after the last state write of that step (docs/real-size.md).
+the NaN is made after the last state write of that step. Session 12 traced it to IREE's concurrent
+dispatch regions; GPU targets now compile without them (docs/real-size.md).
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
-    import iree.runtime as rt
+    from bisect_modules import host_copy  # bench/, beside this script
 
     from dsv4.runtime import Engine
 
     eng = Engine(a.out, device=a.device)
 
     def values(x) -> np.ndarray:
-        # the buffer's own element type (bf16 -> ml_dtypes): the engine's state arrays override it with
-        # their uint16 storage, and to_host would then convert the values, not reinterpret the bits
-        return np.asarray(rt.DeviceArray(x._device, x._buffer_view).to_host()).astype(np.float32)
+        return host_copy(x).astype(np.float32)
 
     def report(what: str, logits) -> np.ndarray:
         lg = values(logits)
