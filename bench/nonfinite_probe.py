@@ -6,8 +6,8 @@ them) hold NaN/inf.
 
 Session 11 found with it (Flash --layers 4, bf16, cuda): the prefill of 128 tokens is finite, the
 first decode step (position 128) returns all-NaN logits while every state tensor stays finite, so
-the NaN is made after the last state write of that step. Session 12 traced it to IREE's concurrent
-dispatch regions; GPU targets now compile without them (docs/real-size.md).
+the NaN is made after the last state write of that step. Session 12 found that it follows IREE's default
+stream partitioning; GPU targets now compile with `debug` partitioning (docs/real-size.md).
 """
 
 from __future__ import annotations

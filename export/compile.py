@@ -69,13 +69,15 @@ GPU_REDUCTION_FLAG = "--iree-codegen-llvmgpu-use-reduction-vector-distribution=f
 # wq_b [32768, 1024] wrote a 134 MB f32 copy every decode step (2.3 of 26 ms on the H200). 512 MiB
 # takes every dense FP8 linear of Flash and Pro but not an f32 copy of the head or a stack of experts.
 HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
-# GPU targets: no concurrent dispatches (IREE's stream scheduler puts independent dispatches of a step
-# into concurrent regions). With its default (min-peak-memory) and with max-concurrency, a Flash decode
-# on cuda got layer 3's sparse attention output NaN in 2 of its 512 columns (every head) from the first
-# HCA entry on (with max-concurrency not on every step); the same dispatches on the same inputs, run
-# alone, are exact, and cuda's stream mode or synchronous allocations did not change it. With `debug` (one
-# dispatch after the other) the step is eager-close and was not slower on the H200 (docs/real-size.md,
-# session 12). The CPU target keeps IREE's default: the llvm-cpu runs never showed it.
+# GPU targets: IREE's stream scheduler with `debug` partitioning (commands in program order, no
+# concurrent regions). With its default (min-peak-memory) and with max-concurrency, a Flash decode on
+# cuda got layer 3's sparse attention output NaN in 2 of its 512 columns (every head) from the first
+# HCA entry on (with max-concurrency not on every step). The same dispatches on the same inputs, run
+# alone, are exact. Issuing the commands in order on one CUDA stream did not help, and a static screen
+# finds no overlapping accesses inside a concurrent region, so the culprit is the other schedule's
+# command order or transient layout; not pinned down. With `debug` the step is eager-close, and it
+# was not slower on the H200 (docs/real-size.md, session 12). The CPU target keeps IREE's default:
+# the llvm-cpu runs never showed it.
 PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 
 
