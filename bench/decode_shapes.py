@@ -59,9 +59,9 @@ def prepare(out: Path, target: str) -> None:
 
 def _bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 (nearest even), kept as float32."""
-    b = x.astype(np.float32).view(np.uint32)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    return b.view(np.float32)
+    from dsv4.runtime.random_weights import bf16_bits
+
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
 
 
 def attention_reference(q, kv, idx, sink) -> np.ndarray:

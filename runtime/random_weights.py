@@ -37,7 +37,7 @@ from .artifact import FP8_DTYPES, ExportConfig, TensorSpec, shard_tensors, whole
 from .errors import ArtifactError
 from .weights import Tensor, checked, plan_shards, storage_dtype, write_shards
 
-__all__ = ["INIT_STD", "init_rule", "weight_of_scale", "random_tensors", "write_random_weights", "fp8_values", "E2M1",
+__all__ = ["INIT_STD", "bf16_bits", "init_rule", "weight_of_scale", "random_tensors", "write_random_weights", "fp8_values", "E2M1",
            "FP8_SCALE_EXP", "MXFP4_SCALE_EXP"]
 
 INIT_STD = 0.02
@@ -156,6 +156,12 @@ def _fill(out: np.ndarray, step: Callable[[int], np.ndarray]) -> np.ndarray:
     return out
 
 
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest even), as the uint16 bits bf16 storage holds."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _from_table(table: np.ndarray, rng: np.random.Generator) -> Callable[[int], np.ndarray]:
     return lambda n: np.take(table, rng.integers(0, 65536, n, dtype=np.uint16))
 
@@ -164,8 +170,7 @@ def _normal(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     out = np.empty(spec.shape, storage_dtype(spec.dtype))
     if spec.dtype == "bfloat16":
         def step(n: int) -> np.ndarray:
-            b = (rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD)).view(np.uint32)
-            return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+            return bf16_bits(rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD))
     elif spec.dtype in ("float32", "float16", "float64"):
         def step(n: int) -> np.ndarray:
             return rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD)
