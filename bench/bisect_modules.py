@@ -8,9 +8,10 @@ exporter traces, kernels as export picks them), returning the output of every mo
 (each layer's norms, attention linears, compressor entries, sparse attention's inputs and output,
 attention, MoE gate / routed experts / shared expert, block, and the logits), compiles it for
 --target, runs it on the export's own .irpa and the eager model on the same (memory-mapped)
-weights, and prints each output's max |diff| relative to its max |value|, in execution order. With fp32 activations a correct graph stays near fp32 rounding (~1e-6) until
-a quantization step (FP8 activation / KV roundings) lands on the other side of a rounding
-boundary; the first module far above that, with its input still close, is where to look.
+weights, and prints each output's max |diff| relative to its max |value|, in execution order. With
+fp32 activations a correct graph stays near fp32 rounding (~1e-6) until a quantization step (FP8
+activation / KV roundings) lands on the other side of a rounding boundary; the first module far
+above that, with its input still close, is where to look.
 
 --decode: the probe is one decode step at position --tokens instead, from the state the export's
 own prefill_bs1 leaves after --tokens prompt tokens (both sides start from that same state). A

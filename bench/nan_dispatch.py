@@ -6,11 +6,11 @@ with whether their inputs were NaN-free (infinities are not counted: masked scor
 
 OUT's vmfb must be compiled with `--iree-flow-trace-dispatch-tensors` (recompile the export's kept
 model.mlir with its config.json flags plus that one; tracing changes the schedule, so check that the
-traced build still shows the problem: the last line says whether its logits are finite). Arrays over
+traced build still shows the problem: the last line counts its NaN logits). Arrays over
 --max-mb are not copied to the host and count as unknown (Flash's expert stacks are 1 GB inputs).
 A `slow_memcpy` dispatch's traced output can hold NaN its traced inputs lack. The tiny preset on
-llvm-cpu shows it (decode_bs1 at position 20). Under local-task, 1 to 5 such copies with [1, 1, 4, 128]
-outputs show NaN, the count changing from run to run and with either partitioning. Under local-sync
+llvm-cpu shows it (decode_bs1 at position 20). Under local-task, several such copies with [1, 1, 4, 128]
+outputs show 1 to 4 NaN each (5 or 6 copies per run, changing from run to run, with either partitioning). Under local-sync
 none do, and every state tensor and logit stays finite. So those lines show when the trace read the
 buffer, not what the model computed.
 Written for the Flash-4 cuda decode NaN of session 12 (docs/real-size.md).
@@ -34,46 +34,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", type=int, default=8, help="how many dispatches with NaN outputs to print")
     args = ap.parse_args(argv)
 
-    import iree.runtime as rt
-
     from bisect_modules import host_copy  # bench/, beside this script
-    from trace_diff import _float
+    from trace_diff import Recorder, _float
 
-    records: list = []  # (dispatch, 'inputs'|'outputs', [(NaN count or None: not copied, dtype[shape])])
-    state = {"on": False, "device": None}
+    def nan_count(arr) -> tuple[int | None, str]:
+        """(NaN count, or None when over --max-mb and not copied; dtype[shape]) of a traced buffer."""
+        what = f"{np.dtype(arr.dtype)}{list(arr.shape)}"
+        if int(np.prod(arr.shape)) * np.dtype(arr.dtype).itemsize > args.max_mb * 2**20:
+            return None, what
+        a = np.array(arr.to_host())
+        return (int(np.isnan(_float(a)).sum()) if a.dtype.kind in "fV" else 0), what
 
-    def sink(key: str, views) -> None:
-        if not state["on"]:
-            return
-        name, _, kind = key.rpartition(" ")
-        counts = []
-        for v in views:
-            arr = rt.DeviceArray(state["device"], v, implicit_host_transfer=True)
-            what = f"{np.dtype(arr.dtype)}{list(arr.shape)}"
-            if int(np.prod(arr.shape)) * np.dtype(arr.dtype).itemsize > args.max_mb * 2**20:
-                counts.append((None, what))
-                continue
-            a = np.array(arr.to_host())
-            counts.append((int(np.isnan(_float(a)).sum()) if a.dtype.kind in "fV" else 0, what))
-        records.append((name or key, kind, counts))
-
-    plain = rt.create_hal_module
-    rt.create_hal_module = lambda inst, device=None, **kw: plain(inst, device, debug_sink=rt.HalModuleDebugSink(sink), **kw)
+    rec = Recorder(nan_count)  # records: (dispatch, 'inputs'|'outputs', [nan_count of each buffer])
+    rec.install()
     from dsv4.runtime.engine import Engine
 
     eng = Engine(args.out, device=args.device)
-    state["device"] = eng.module.device
+    rec.device = eng.module.device
     T = args.tokens
     ids = np.random.default_rng(args.seed).integers(2, eng.config.vocab_size, size=T).astype(np.int64)
     logits = eng.invoke("prefill_bs1", ids[None], np.array([0]), np.array([T]), np.array([0]))[0]
     tok = int(np.nanargmax(host_copy(logits).astype(np.float32).reshape(-1)))
-    state["on"] = True
+    rec.on = True
     logits = eng.invoke("decode_bs1", np.array([[tok]]), np.array([T]), np.array([1]), np.array([0]))[0]
-    state["on"] = False
+    rec.on = False
     lg = host_copy(logits).astype(np.float32)
 
     shown, inputs = 0, {}
-    for i, (name, kind, counts) in enumerate(records):
+    for i, (name, kind, counts) in enumerate(rec.records):
         if kind == "inputs":
             inputs[name] = counts
             continue
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         shown += 1
         if shown >= args.show:
             break
-    print(f"{len(records)} trace records in the decode step at position {T}; "
+    print(f"{len(rec.records)} trace records in the decode step at position {T}; "
           f"{int(np.isnan(lg).sum())} of {lg.size} logits NaN")
     return 0
 

@@ -23,10 +23,12 @@ import numpy as np
 
 
 class Recorder:
-    """The HAL debug sink's callback: (dispatch key, 'inputs'|'outputs', [numpy arrays]) while on."""
+    """The HAL debug sink's callback: (dispatch, 'inputs'|'outputs', [convert(array)]) while on.
+    `convert` takes each traced buffer as a device array; the default copies it to the host."""
 
-    def __init__(self):
+    def __init__(self, convert=None):
         self.on, self.records, self.device = False, [], None
+        self.convert = convert or (lambda arr: np.array(arr.to_host()))
 
     def __call__(self, key: str, views) -> None:
         if not self.on:
@@ -34,8 +36,16 @@ class Recorder:
         import iree.runtime as rt
 
         name, _, kind = key.rpartition(" ")
-        arrays = [np.array(rt.DeviceArray(self.device, v, implicit_host_transfer=True).to_host()) for v in views]
-        self.records.append((name or key, kind, arrays))
+        self.records.append((name or key, kind, [self.convert(rt.DeviceArray(self.device, v, implicit_host_transfer=True))
+                                                 for v in views]))
+
+    def install(self) -> None:
+        """Every HAL module created from now on (in this process) traces into this recorder."""
+        import iree.runtime as rt
+
+        plain = rt.create_hal_module
+        rt.create_hal_module = lambda inst, device=None, **kw: plain(inst, device, debug_sink=rt.HalModuleDebugSink(self),
+                                                                     **kw)
 
 
 def _float(a: np.ndarray) -> np.ndarray:
@@ -113,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     import iree.runtime as rt
 
     rec = Recorder()
-    plain = rt.create_hal_module
-    rt.create_hal_module = lambda inst, device=None, **kw: plain(inst, device, debug_sink=rt.HalModuleDebugSink(rec), **kw)
+    rec.install()
     from batchinv_functions import prefill_alone, random_prompts  # bench/, beside this script
     from dsv4.runtime.engine import Engine
 
