@@ -9,12 +9,16 @@ strictly.
 Both torch backends run the routed MoE (`routed_moe`, what the export traces): only the chosen experts'
 weights are read. Eager's default hook evaluates every expert on every token, which is a test oracle,
 not how anyone would run 256 experts (1.35 s per Flash decode step, 4 layers, batch 1).
+
+`transformers` is Hugging Face's own DeepseekV4ForCausalLM (eager, its default kernels) holding the
+same tensors dequantized (`transformers_state_dict`: it has no FP8/MXFP4 path for this model) in the
+export's activation dtype, with its own cache (one DynamicCache per group of rows prefilled together).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,7 +27,7 @@ from .checkpoint.irpa import load_export_model
 from .kernels.moe import routed_moe
 from .state import new_state
 
-__all__ = ["load_export_model", "TorchBackend", "TORCH_DEVICE"]
+__all__ = ["load_export_model", "TorchBackend", "TransformersBackend", "TORCH_DEVICE"]
 
 # IREE driver -> torch device (ROCm torch calls its GPUs cuda too)
 TORCH_DEVICE = {"cuda": "cuda", "hip": "cuda", "local-task": "cpu", "local-sync": "cpu"}
@@ -68,3 +72,62 @@ class TorchBackend:
 
     def decode(self, tokens, start, slots) -> np.ndarray:
         return self._run(tokens, start, np.ones(len(slots), np.int64), slots)
+
+
+class TransformersBackend:
+    """transformers' DeepseekV4ForCausalLM on the export's weights (dequantized) and torch device.
+
+    Its cache has no slots: rows are prefilled together (`any_prefill_batch`: the bench gives each
+    batch's rows to one prefill call per chunk) and decoded as that same group. Every row of a call
+    must have the same length (the bench's rows do)."""
+
+    any_prefill_batch = True
+
+    def __init__(self, export_dir: str | Path, device: str):
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        from .checkpoint import transformers_state_dict
+        from .config import ModelConfig
+        from .transformers_config import transformers_config_dict
+
+        self.device = TORCH_DEVICE.get(device)
+        if self.device is None:
+            raise ValueError(f"no torch device for {device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"transformers: torch sees no GPU (torch {torch.__version__})")
+        model, cfg, dtype = load_export_model(export_dir, "cpu")
+        state = transformers_state_dict(model, cfg, dtype)
+        del model
+        plain = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": None, "expert_dtype": None})
+        hf_cfg = DeepseekV4Config(**transformers_config_dict(plain))
+        hf, info = DeepseekV4ForCausalLM.from_pretrained(None, config=hf_cfg, state_dict=state, dtype=dtype,
+                                                         output_loading_info=True)
+        if info["missing_keys"] or info["mismatched_keys"]:
+            raise ValueError(f"transformers backend: weights do not fit DeepseekV4ForCausalLM: "
+                             f"missing {sorted(info['missing_keys'])[:5]}, mismatched {info['mismatched_keys'][:5]}")
+        del state
+        self.model = hf.to(self.device).eval()
+        self.name = f"transformers ({self.device})"
+        self.caches: dict[tuple[int, ...], Any] = {}
+
+    def _step(self, tokens: np.ndarray, slots: np.ndarray, new: bool) -> np.ndarray:
+        from transformers import DynamicCache
+
+        key = tuple(int(x) for x in slots)
+        if new:
+            self.caches[key] = DynamicCache(config=self.model.config)
+        elif key not in self.caches:
+            raise ValueError(f"transformers backend: rows {key} were not prefilled together")
+        ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.device)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, past_key_values=self.caches[key], use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].argmax(-1).cpu().numpy()  # .cpu() waits for the device
+
+    def prefill(self, tokens, start, lengths, slots) -> np.ndarray:
+        n, s = int(lengths[0]), int(start[0])
+        if (np.asarray(lengths) != n).any() or (np.asarray(start) != s).any():
+            raise ValueError("transformers backend: every row of a prefill call needs the same start and length")
+        return self._step(np.asarray(tokens)[:, :n], slots, new=s == 0)
+
+    def decode(self, tokens, start, slots) -> np.ndarray:
+        return self._step(tokens, slots, new=False)

@@ -1,7 +1,7 @@
 """`dsv4 bench OUT`: how fast an export runs, and how that compares with the same weights in PyTorch.
 
     dsv4 bench OUT --device cuda [--batch 1,8,32,64] [--context 1024] [--prefill 2048]
-                   [--compare torch-eager,torch-compile] [--json] [--plot ms_per_step.png]
+                   [--compare torch-eager,torch-compile,transformers] [--json] [--plot ms_per_step.png]
 
 Reports decode ms/step and tokens/s per batch and context length, prefill tokens/s, time to first
 token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
@@ -12,7 +12,8 @@ only when --compare names them.
 One protocol for every backend (`measure`), so the numbers are comparable:
 * context C at batch B: rows 0..B-1 are prefilled with F = C - W - N tokens in chunks of the
   export's prefill.max_tokens (every chunk padded to one T, so torch.compile sees one shape), rows
-  grouped by the exported prefill batch sizes: that time gives prefill tokens/s;
+  grouped by the exported prefill batch sizes (transformers, which has no slots: all B rows in
+  one call per chunk): that time gives prefill tokens/s;
 * W warm-up decode steps, then N timed steps ending at position C - 1; every step feeds back the
   previous step's argmax read to the host, as a generation loop does: ms/step, tokens/s = B*1000/ms;
 * TTFT: one P-token prompt at batch 1 until its first token is on the host (best of 3 after a warm-up).
@@ -37,7 +38,7 @@ from .artifact import state_stage, whole_key
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table"]
 
-TORCH_BACKENDS = ("torch-eager", "torch-compile")
+TORCH_BACKENDS = ("torch-eager", "torch-compile", "transformers")
 
 
 class BenchError(ValueError):
@@ -83,7 +84,9 @@ def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int,
     T = plan.chunk
     r0, warmed = 0, set()
     while r0 < rows:
-        bs = pick_batch_size(rows - r0, plan.prefill_batch_sizes, plan.n_slots)
+        # a backend without fixed batch sizes (transformers) takes all rows at once
+        bs = rows - r0 if getattr(be, "any_prefill_batch", False) else \
+            pick_batch_size(rows - r0, plan.prefill_batch_sizes, plan.n_slots)
         if warm_up and bs in warmed:
             r0 += bs
             continue
@@ -372,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them (default 4)")
     p.add_argument("--compare", type=_backends, default=[],
-                   help="torch backends: torch-eager,torch-compile (mode default, one static graph per shape)")
+                   help="torch backends: torch-eager, torch-compile (mode default, one static graph per shape), "
+                        "transformers (its DeepseekV4ForCausalLM on the same weights, dequantized)")
     p.add_argument("--no-iree", action="store_true",
                    help="time only the --compare backends (to split a long comparison over two runs)")
     p.add_argument("--copy-mib", type=int, default=None,
@@ -444,9 +448,10 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
 
     backends: list[Backend] = [] if args.no_iree else [iree_be]
     for name in args.compare:
-        from dsv4.model.bench_torch import TorchBackend
+        from dsv4.model.bench_torch import TorchBackend, TransformersBackend
 
-        backends.append(TorchBackend(args.export_dir, name, args.device, cfg.n_slots))
+        backends.append(TransformersBackend(args.export_dir, args.device) if name == "transformers" else
+                        TorchBackend(args.export_dir, name, args.device, cfg.n_slots))
 
     decode, ttft = [], []
     for be in backends:
@@ -556,10 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4 bench: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # --compare on a runtime-only install
-        if (e.name or "").split(".")[0] not in ("torch", "matplotlib"):
+        if (e.name or "").split(".")[0] not in ("torch", "matplotlib", "transformers"):
             raise
         print(f"dsv4 bench: error: {e.name} is not installed (--compare needs the 'export' extra, "
-              "--plot the 'bench' extra)", file=sys.stderr)
+              "--plot and --compare transformers the 'bench' extra)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rep, indent=1))

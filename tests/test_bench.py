@@ -184,3 +184,47 @@ def test_bench_bad_arguments_without_export(capsys, tmp_path: Path) -> None:
         with pytest.raises(SystemExit) as e:
             _bench(capsys, str(tmp_path), *argv)
         assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> None:
+    """`--compare transformers`: transformers' own DeepseekV4ForCausalLM holding the export's tensors
+    (dequantized) gives our eager model's logits with its quantization simulations off (fp32 both:
+    two independent implementations of the same function; this export's weights are float, so our
+    linears quantize no activation either), and the backend's cache bookkeeping
+    (prefill a group of rows, then decode that group) gives what one uncached forward gives."""
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.8"):
+        pytest.skip(f"deepseek_v4 needs transformers >= 5.8, found {transformers.__version__}")
+    import torch
+
+    from dsv4.model.bench_torch import TransformersBackend, load_export_model
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+    from dsv4.model.state import new_state
+
+    be = TransformersBackend(bench_export, "local-task")
+    model, cfg, dtype = load_export_model(bench_export)
+    state = model.state_dict()
+    quantized = any(v.dtype in (torch.float8_e4m3fn, torch.uint8) for v in state.values())
+    ours = Transformer(ModelConfig.from_dict({**cfg.to_dict(), "quant_sim": False}), dtype=dtype, quantized=quantized)
+    ours.load_state_dict(state)
+    ours.eval()
+    B, T = 2, 24
+    seq = torch.from_numpy((np.arange(B * (T + 1)).reshape(B, T + 1) * 7 + 3) % cfg.vocab_size)
+    with torch.no_grad():
+        want = ours(seq, torch.zeros(B, dtype=torch.long), torch.full((B,), T + 1), torch.arange(B),
+                    new_state(ours.cfg, B, dtype), all_logits=True).float()
+        got = be.model(input_ids=seq).logits.float()
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < 1e-4 * max(1.0, want.abs().max().item()), err
+    tokens = np.zeros((B, 32), np.int64)  # padded past the real 24, as the bench pads to its chunk
+    tokens[:, :T] = seq[:, :T].numpy()
+    first = be.prefill(tokens, np.zeros(B, np.int64), np.full(B, T), np.arange(B))
+    second = be.decode(seq[:, T:].numpy(), np.full(B, T), np.arange(B))
+    np.testing.assert_array_equal(first, got[:, T - 1].argmax(-1).numpy())
+    np.testing.assert_array_equal(second, got[:, T].argmax(-1).numpy())
+    with pytest.raises(ValueError, match="not prefilled together"):
+        be.decode(seq[:1, T:].numpy(), np.full(1, T), np.arange(1))

@@ -49,6 +49,7 @@ _LAZY = {
     "load_into": ".load",
     "checkpoint_tensors": ".load",
     "write_checkpoint": ".write",
+    "transformers_state_dict": ".write",
     "canonical_name": ".names",
     "transformers_name": ".names",
     "load_irpa": ".irpa",

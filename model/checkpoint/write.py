@@ -26,7 +26,7 @@ from ..transformers_config import transformers_config_dict
 from .inventory import INDEX_FILE, SINGLE_FILE
 from .names import EXPERTS, transformers_name
 
-__all__ = ["write_checkpoint", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = ["write_checkpoint", "transformers_state_dict", "DEFAULT_MAX_SHARD_BYTES"]
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -92,8 +92,9 @@ class _Encoded:
 
 
 def _weight_outs(name: str, w: torch.Tensor, s: torch.Tensor | None, fmt: str,
-                 scale_fmt: str) -> list[_Out]:
-    """Checkpoint tensors for one weight in target format fmt ('fp8', 'fp4' or 'bf16')."""
+                 scale_fmt: str, dense: torch.dtype = torch.bfloat16) -> list[_Out]:
+    """Checkpoint tensors for one weight in target format fmt ('fp8', 'fp4' or 'bf16'; 'bf16' means
+    unquantized, stored as `dense`)."""
     src = _source_format(w, s)
     n, k = w.shape[0], (w.shape[1] * 2 if src[0] == "fp4" else w.shape[1])
     sname = name[: -len("weight")] + "scale"
@@ -107,11 +108,11 @@ def _weight_outs(name: str, w: torch.Tensor, s: torch.Tensor | None, fmt: str,
             return quantize_fp8_block(v, scale_fmt)
         if fmt == "fp4":
             return quantize_mxfp4(v)
-        return v.to(torch.bfloat16), None
+        return v.to(dense), None
 
     if fmt == "bf16":
         enc = _Encoded(encode, 1)
-        return [_Out(name, torch.bfloat16, (n, k), lambda: enc.part(0))]
+        return [_Out(name, dense, (n, k), lambda: enc.part(0))]
     enc = _Encoded(encode, 2)
     if fmt == "fp8":
         sshape = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
@@ -122,8 +123,10 @@ def _weight_outs(name: str, w: torch.Tensor, s: torch.Tensor | None, fmt: str,
             _Out(sname, torch.float8_e8m0fnu, (n, k // MXFP4_BLOCK), lambda: _as_e8m0(enc.part(1)))]
 
 
-def _official_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> list[_Out]:
-    """The official checkpoint inventory for a model state dict, in the model's order."""
+def _official_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig,
+                      dense: torch.dtype = torch.bfloat16) -> list[_Out]:
+    """The official checkpoint inventory for a model state dict, in the model's order. `dense`: the
+    dtype of the unquantized weights (bf16 in a checkpoint)."""
     lin_fmt = "fp8" if cfg.quantization_config else "bf16"
     scale_fmt = (cfg.quantization_config or {}).get("scale_fmt") or "ue8m0"
     exp_fmt = cfg.expert_dtype if cfg.expert_dtype in ("fp4", "fp8") else "bf16"
@@ -138,15 +141,15 @@ def _official_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> list[
             sc = state.get(f"{name}_scale")
             for e in range(t.shape[0]):
                 outs += _weight_outs(f"{prefix}.{e}.{w}.weight", t[e], None if sc is None else sc[e],
-                                     exp_fmt, scale_fmt)
+                                     exp_fmt, scale_fmt, dense)
         elif name.endswith(".scale") and name[:-6] + ".weight" in state:
             continue
         elif _FP8_LINEAR.search(name):
-            outs += _weight_outs(name, t, state.get(name[:-7] + ".scale"), lin_fmt, scale_fmt)
+            outs += _weight_outs(name, t, state.get(name[:-7] + ".scale"), lin_fmt, scale_fmt, dense)
         elif _BF16.search(name):
             if t.dtype in (torch.float8_e4m3fn, torch.uint8):
                 unknown.append(f"{name} ({t.dtype}: expected a float tensor)")
-            outs.append(_Out(name, torch.bfloat16, tuple(t.shape), lambda t=t: t.to(torch.bfloat16)))
+            outs.append(_Out(name, dense, tuple(t.shape), lambda t=t: t.to(dense)))
         elif _F32.search(name):
             outs.append(_Out(name, torch.float32, tuple(t.shape), lambda t=t: t.to(torch.float32)))
         elif _I64.search(name):
@@ -191,6 +194,18 @@ def _transformers_tensors(outs: list[_Out]) -> list[_Out]:
             name = base if leaf == "weight" else f"{base}_scale_inv"
             result.append(_Out(name, o.dtype, (E, rows, o.shape[1]), make))
     return result
+
+
+def transformers_state_dict(model_or_state: nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
+                            dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The tensors transformers' DeepseekV4ForCausalLM holds for this model, unquantized: FP8 and
+    MXFP4 weights dequantized (to `dtype`, as every other float weight), transformers' names and
+    stacked experts; fp32 tensors (mHC, sinks, biases) stay fp32. Its config is
+    transformers_config_dict(cfg) without quantization. The MTP layers are included under their
+    names; transformers' model has none and ignores them."""
+    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else dict(model_or_state)
+    plain = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": None, "expert_dtype": None})
+    return {o.name: o.make() for o in _transformers_tensors(_official_tensors(state, plain, dtype))}
 
 
 def _write_tokenizer(tokenizer: Tokenizer | str | os.PathLike | None, out: Path, cfg: ModelConfig) -> None:
