@@ -18,48 +18,30 @@ The selected experts' bytes are gathered first, as the export does (index_select
 from __future__ import annotations
 
 import argparse
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
 E, N, K = 256, 2048, 4096
 KP, KS = K // 2, K // 32
 
-# e2m1 code %c (i32) times the E8M0 scale byte %b (i8) -> bf16 %r, as quant.mlir.jinja's macros do
-_DECODE = """
-    %i0 = arith.constant 0 : i32
-    %i1 = arith.constant 1 : i32
-    %i3 = arith.constant 3 : i32
-    %i22 = arith.constant 22 : i32
-    %i23 = arith.constant 23 : i32
-    %i31 = arith.constant 31 : i32
-    %i126 = arith.constant 126 : i32
-    %ihalf = arith.constant 1056964608 : i32
-    %isub = arith.constant 4194304 : i32
-    %sg0 = arith.shrui %c, %i3 : i32
-    %sg = arith.shli %sg0, %i31 : i32
-    %e0 = arith.shrui %c, %i1 : i32
-    %e = arith.andi %e0, %i3 : i32
-    %m = arith.andi %c, %i1 : i32
-    %eb = arith.addi %e, %i126 : i32
-    %es = arith.shli %eb, %i23 : i32
-    %ms = arith.shli %m, %i22 : i32
-    %nb = arith.ori %es, %ms : i32
-    %ez = arith.cmpi eq, %e, %i0 : i32
-    %sb = arith.muli %m, %ihalf : i32
-    %mag = arith.select %ez, %sb, %nb : i32
-    %bits = arith.ori %mag, %sg : i32
-    %v = arith.bitcast %bits : i32 to f32
-    %bi = arith.extui %b : i8 to i32
-    %bz = arith.cmpi eq, %bi, %i0 : i32
-    %bsh = arith.shli %bi, %i23 : i32
-    %bbits = arith.select %bz, %isub, %bsh : i32
-    %sf = arith.bitcast %bbits : i32 to f32
-    %wv = arith.mulf %v, %sf : f32
-    %r = arith.truncf %wv : f32 to bf16"""
+def _decode() -> str:
+    """e2m1 code %c (i32) times the E8M0 scale byte %b (i8) -> bf16 %r, with quant.mlir.jinja's own
+    macros (the decode the export's MXFP4 kernels run), rendered from the template's macro blocks."""
+    import jinja2
+
+    src = (REPO / "model" / "kernels" / "quant.mlir.jinja").read_text()
+    macros = jinja2.Environment(undefined=jinja2.StrictUndefined, comment_start_string="{##",
+                                comment_end_string="##}").from_string(
+        "".join(re.findall(r"\{% macro .*?\{%- endmacro %\}", src, re.S))).module
+    consts = "".join(f"\n    %i{v} = arith.constant {v} : i32" for v in (0, 1, 3, 22, 23, 126, 255, 4194304))
+    return (consts + "\n    %half = arith.constant 0.5 : f32\n    %nan = arith.constant 0x7FC00000 : f32\n"
+            + macros.e2m1_value("%v", "%c") + macros.scale_value("%sf", "%b", "i8")
+            + "\n    %wv = arith.mulf %v, %sf : f32\n    %r = arith.truncf %wv : f32 to bf16")
 
 
 def _gather(name: str, src: str, tail: tuple[int, ...]) -> str:
@@ -92,7 +74,7 @@ util.func public @{form}_m{M}(%x: tensor<?x{M}x{K}xbf16>, %p: tensor<{E}x{N}x{KP
       affine_map<(g, n, b, j) -> (g, n, b, j)>], iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
       ins(%c4, %sc : tensor<?x{N}x{KS}x32xi4>, tensor<?x{N}x{KS}xi8>) outs(%w0 : {w4}) {{
   ^bb0(%a: i4, %b: i8, %o: bf16):
-    %c = arith.extui %a : i4 to i32{_DECODE}
+    %c = arith.extui %a : i4 to i32{_decode()}
     linalg.yield %r : bf16
   }} -> {w4}"""
     else:
@@ -111,7 +93,7 @@ util.func public @{form}_m{M}(%x: tensor<?x{M}x{K}xbf16>, %p: tensor<{E}x{N}x{KP
     %hi = arith.andi %hi0, %i15 : i32
     %lo = arith.andi %pb, %i15 : i32
     %first = arith.cmpi eq, %j, %c0 : index
-    %c = arith.select %first, %lo, %hi : i32{_DECODE}
+    %c = arith.select %first, %lo, %hi : i32{_decode()}
     linalg.yield %r : bf16
   }} -> tensor<?x{N}x{KS}x16x2xbf16>
   %w = tensor.collapse_shape %w2 [[0], [1], [2], [3, 4]] : tensor<?x{N}x{KS}x16x2xbf16> into {w4}"""
