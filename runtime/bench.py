@@ -431,6 +431,16 @@ def _stderr(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def _free_torch_memory() -> None:
+    """Give a finished torch backend's device memory back before the next one loads its weights."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Measure everything the arguments ask for (one line per result to `progress`); returns the report."""
     from .artifact import ExportConfig
@@ -446,15 +456,20 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
     params = parameter_sizes(eng.parameters_paths)
 
-    backends: list[Backend] = [] if args.no_iree else [iree_be]
-    for name in args.compare:
+    def torch_backend(name: str) -> Backend:
         from dsv4.model.bench_torch import TorchBackend, TransformersBackend
 
-        backends.append(TransformersBackend(args.export_dir, args.device) if name == "transformers" else
-                        TorchBackend(args.export_dir, name, args.device, cfg.n_slots))
+        if name == "transformers":
+            return TransformersBackend(args.export_dir, args.device)
+        return TorchBackend(args.export_dir, name, args.device, cfg.n_slots)
 
+    # one torch backend in memory at a time (each holds its own copy of the weights: at Flash
+    # dimensions 20 GB, transformers' dequantized one ~50 GB, beside the IREE module's)
+    makers: list[Callable[[], Backend]] = [] if args.no_iree else [lambda: iree_be]
+    makers += [lambda name=name: torch_backend(name) for name in args.compare]
     decode, ttft = [], []
-    for be in backends:
+    for make in makers:
+        be = make()
         ttft.append(measure_ttft(be, plan, vocab))
         progress(f"{be.name} TTFT {ttft[-1]['ttft_ms']:.2f} ms ({plan.prefill_tokens} tokens)")
         for c in plan.contexts:
@@ -468,6 +483,9 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                 decode.append(row)
                 progress(f"{be.name} batch {b} context {c}: {row['ms_per_step']:.3f} ms/step, "
                          f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+        if be is not iree_be:
+            del be
+            _free_torch_memory()
 
     if args.no_profile:
         profile: dict[str, Any] = {"available": False, "why": "--no-profile"}
