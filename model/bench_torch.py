@@ -84,7 +84,15 @@ class TransformersBackend:
     any_prefill_batch = True
 
     def __init__(self, export_dir: str | Path, device: str):
-        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        try:
+            from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        except ImportError as e:
+            if isinstance(e, ModuleNotFoundError):  # no transformers at all: the caller names the extra
+                raise
+            import transformers
+
+            raise ValueError(f"transformers {transformers.__version__} has no DeepSeek-V4 model "
+                             "(--compare transformers needs transformers >= 5.8)") from e
 
         from .checkpoint import transformers_state_dict
         from .config import ModelConfig

@@ -459,9 +459,12 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     def torch_backend(name: str) -> Backend:
         from dsv4.model.bench_torch import TorchBackend, TransformersBackend
 
-        if name == "transformers":
-            return TransformersBackend(args.export_dir, args.device)
-        return TorchBackend(args.export_dir, name, args.device, cfg.n_slots)
+        try:
+            if name == "transformers":
+                return TransformersBackend(args.export_dir, args.device)
+            return TorchBackend(args.export_dir, name, args.device, cfg.n_slots)
+        except ValueError as e:  # no GPU for torch, a transformers without the model, ...
+            raise BenchError(f"--compare {name}: {e}") from e
 
     # one torch backend in memory at a time (each holds its own copy of the weights: at Flash
     # dimensions 20 GB, transformers' dequantized one ~50 GB, beside the IREE module's)

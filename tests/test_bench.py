@@ -186,6 +186,19 @@ def test_bench_bad_arguments_without_export(capsys, tmp_path: Path) -> None:
         assert e.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_bench_transformers_without_the_model_is_a_clear_error(bench_export: Path, capsys, monkeypatch) -> None:
+    """A transformers too old to have DeepSeek-V4 (a stand-in module without it) is named, with the
+    version it needs, instead of an ImportError traceback."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="4.40.0"))
+    rc, _, err = _bench(capsys, str(bench_export), "--batch", "1", "--context", "40", "--prefill", "20",
+                        "--steps", "2", "--warmup", "1", "--compare", "transformers", "--no-iree", "--no-profile")
+    assert rc == 2 and "--compare transformers: transformers 4.40.0 has no DeepSeek-V4 model" in err
+    assert ">= 5.8" in err and "Traceback" not in err
+
+
 def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> None:
     """`--compare transformers`: transformers' own DeepseekV4ForCausalLM holding the export's tensors
     (dequantized) gives our eager model's logits with its quantization simulations off (fp32 both:

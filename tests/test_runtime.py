@@ -122,6 +122,12 @@ def test_sampler_reads_the_order_only_as_far_as_the_full_sort(vocab: int) -> Non
                 fast_s, slow_s = fast_s + t1 - t0, slow_s + time.perf_counter() - t1
                 assert got == want, (trial, t, k, p)
     print(f"[sampler] vocab {vocab}: {1e3 * fast_s / 168:.3f} ms per draw, full sort {1e3 * slow_s / 168:.3f} ms")
+    # the logprob alternatives come from the same partial sort: the full sort's first k, none for k = 0
+    from dsv4.runtime.sampling import token_logprobs
+
+    lp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
+    for k in (0, 1, 20):
+        assert [t for t, _ in token_logprobs(logits, 3, k)[1]] == np.argsort(-lp, kind="stable")[:k].tolist()
 
 
 def test_greedy_and_ties() -> None:
