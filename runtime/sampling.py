@@ -101,10 +101,8 @@ def _top_prefix(x: np.ndarray, c: int) -> np.ndarray:
 def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """(token ids in descending-probability order, their renormalised float64 probabilities)."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1) / temperature
-    # descending order, ties by lower id (stable sort of the negated values)
-    order = np.argsort(-x, kind="stable")
-    if top_k and top_k < x.size:
-        order = order[:top_k]
+    # descending order, ties by lower id; with top-k only its first top_k entries are sorted
+    order = _top_prefix(x, top_k if 0 < top_k < x.size else x.size)
     kept = x[order]
     p = np.exp(kept - kept[0])
     p /= p.sum()
@@ -147,9 +145,8 @@ def sample_token(logits: np.ndarray | None, params: SamplingParams, rng: np.rand
     u = rng.random()
     x = np.asarray(logits, dtype=np.float64).reshape(-1) / params.temperature
     if 0 < params.top_k < x.size:  # a small kept set: its whole descending order
-        ids = _top_prefix(x, params.top_k)
-        order, p = _filtered(x[ids], 1.0, 0, params.top_p)
-        order, cum = ids[order], np.cumsum(p)
+        order, p = _filtered(x, 1.0, params.top_k, params.top_p)
+        cum = np.cumsum(p)
         target = u * cum[-1]
     else:  # the whole vocabulary: its descending order only as far as top_p or the draw reaches
         e = np.exp(x - x.max())
