@@ -18,6 +18,7 @@ The selected experts' bytes are gathered first, as the export does (index_select
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 E, N, K = 256, 2048, 4096
 KP, KS = K // 2, K // 32
 
+@functools.cache
 def _decode() -> str:
     """e2m1 code %c (i32) times the E8M0 scale byte %b (i8) -> bf16 %r, with quant.mlir.jinja's own
     macros (the decode the export's MXFP4 kernels run), rendered from the template's macro blocks."""

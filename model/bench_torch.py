@@ -33,17 +33,23 @@ __all__ = ["load_export_model", "TorchBackend", "TransformersBackend", "TORCH_DE
 TORCH_DEVICE = {"cuda": "cuda", "hip": "cuda", "local-task": "cpu", "local-sync": "cpu"}
 
 
+def _torch_device(device: str, who: str) -> str:
+    """The torch device of IREE driver `device`, or ValueError naming why `who` cannot run there."""
+    dev = TORCH_DEVICE.get(device)
+    if dev is None:
+        raise ValueError(f"no torch device for {device!r}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{who}: torch sees no GPU (torch {torch.__version__})")
+    return dev
+
+
 class TorchBackend:
     """`torch-eager` or `torch-compile` (mode default) on the torch device of `device`."""
 
     def __init__(self, export_dir: str | Path, name: str, device: str, n_slots: int):
         if name not in ("torch-eager", "torch-compile"):
             raise ValueError(f"unknown torch backend {name!r}")
-        self.device = TORCH_DEVICE.get(device)
-        if self.device is None:
-            raise ValueError(f"no torch device for {device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{name}: torch sees no GPU (torch {torch.__version__})")
+        self.device = _torch_device(device, name)
         self.model, cfg, dtype = load_export_model(export_dir, self.device)
         self.state = new_state(cfg, n_slots, dtype, device=self.device)
         self.name = f"{name} ({self.device})"
@@ -94,20 +100,14 @@ class TransformersBackend:
             raise ValueError(f"transformers {transformers.__version__} has no DeepSeek-V4 model "
                              "(--compare transformers needs transformers >= 5.8)") from e
 
-        from .checkpoint import transformers_state_dict
-        from .config import ModelConfig
+        from .checkpoint import transformers_state_dict, unquantized_config
         from .transformers_config import transformers_config_dict
 
-        self.device = TORCH_DEVICE.get(device)
-        if self.device is None:
-            raise ValueError(f"no torch device for {device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"transformers: torch sees no GPU (torch {torch.__version__})")
+        self.device = _torch_device(device, "transformers")
         model, cfg, dtype = load_export_model(export_dir, "cpu")
         state = transformers_state_dict(model, cfg, dtype)
         del model
-        plain = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": None, "expert_dtype": None})
-        hf_cfg = DeepseekV4Config(**transformers_config_dict(plain))
+        hf_cfg = DeepseekV4Config(**transformers_config_dict(unquantized_config(cfg)))
         hf, info = DeepseekV4ForCausalLM.from_pretrained(None, config=hf_cfg, state_dict=state, dtype=dtype,
                                                          output_loading_info=True)
         if info["missing_keys"] or info["mismatched_keys"]:

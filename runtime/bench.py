@@ -468,11 +468,9 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
 
     # one torch backend in memory at a time (each holds its own copy of the weights: at Flash
     # dimensions 20 GB, transformers' dequantized one ~50 GB, beside the IREE module's)
-    makers: list[Callable[[], Backend]] = [] if args.no_iree else [lambda: iree_be]
-    makers += [lambda name=name: torch_backend(name) for name in args.compare]
     decode, ttft = [], []
-    for make in makers:
-        be = make()
+    for name in ([] if args.no_iree else [None]) + list(args.compare):
+        be = iree_be if name is None else torch_backend(name)
         ttft.append(measure_ttft(be, plan, vocab))
         progress(f"{be.name} TTFT {ttft[-1]['ttft_ms']:.2f} ms ({plan.prefill_tokens} tokens)")
         for c in plan.contexts:
@@ -486,7 +484,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                 decode.append(row)
                 progress(f"{be.name} batch {b} context {c}: {row['ms_per_step']:.3f} ms/step, "
                          f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
-        if be is not iree_be:
+        if name is not None:
             del be
             _free_torch_memory()
 

@@ -50,6 +50,7 @@ _LAZY = {
     "checkpoint_tensors": ".load",
     "write_checkpoint": ".write",
     "transformers_state_dict": ".write",
+    "unquantized_config": ".write",
     "canonical_name": ".names",
     "transformers_name": ".names",
     "load_irpa": ".irpa",

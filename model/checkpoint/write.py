@@ -26,7 +26,7 @@ from ..transformers_config import transformers_config_dict
 from .inventory import INDEX_FILE, SINGLE_FILE
 from .names import EXPERTS, transformers_name
 
-__all__ = ["write_checkpoint", "transformers_state_dict", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = ["write_checkpoint", "transformers_state_dict", "unquantized_config", "DEFAULT_MAX_SHARD_BYTES"]
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -196,16 +196,21 @@ def _transformers_tensors(outs: list[_Out]) -> list[_Out]:
     return result
 
 
+def unquantized_config(cfg: ModelConfig) -> ModelConfig:
+    """cfg with no FP8 linears and no low-bit experts: the model transformers_state_dict describes."""
+    return ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": None, "expert_dtype": None})
+
+
 def transformers_state_dict(model_or_state: nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
                             dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The tensors transformers' DeepseekV4ForCausalLM holds for this model, unquantized: FP8 and
     MXFP4 weights dequantized (to `dtype`, as every other float weight), transformers' names and
     stacked experts; fp32 tensors (mHC, sinks, biases) stay fp32. Its config is
-    transformers_config_dict(cfg) without quantization. The MTP layers are included under their
+    transformers_config_dict(unquantized_config(cfg)). The MTP layers are included under their
     names; transformers' model has none and ignores them."""
     state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else dict(model_or_state)
-    plain = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": None, "expert_dtype": None})
-    return {o.name: o.make() for o in _transformers_tensors(_official_tensors(state, plain, dtype))}
+    outs = _official_tensors(state, unquantized_config(cfg), dtype)
+    return {o.name: o.make() for o in _transformers_tensors(outs)}
 
 
 def _write_tokenizer(tokenizer: Tokenizer | str | os.PathLike | None, out: Path, cfg: ModelConfig) -> None:
