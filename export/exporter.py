@@ -3,11 +3,15 @@
 `export_model` builds one module with these entry points (all integers int64):
 
 * ``prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], *state) -> (logits f32[N,V], argmax i64[N])``
+  (argmax -1: that row's logits are not all finite)
   with T dynamic in [min_tokens, max_tokens] (min = the largest compression ratio: below it
   torch.export specializes the chunk-size arithmetic);
 * ``decode_bs{N}(tokens[N,1], ...same...) -> (logits, argmax)``;
 * ``score_bs1(tokens[1,T], ...) -> logprobs f32[1,T]``, logprobs[t] = log p(tokens[t+1] | tokens[<=t])
   for t < lengths-1, 0 elsewhere (the runtime overlaps chunks by one token);
+* ``sample_bs{N}(logits f32[N,V], temperature f32[N], top_k i64[N], top_p f32[N], key i64[N]) -> ids i64[N]``
+  for every prefill and decode N of a one-device export: the token choice on the device
+  (model/device_sampling.py), called on the logits the step left there (-1: non-finite logits);
 * ``export_id() -> i64[32]``: the bytes of config.json's ``export_id`` (a uuid hex string), so a
   runtime can tell that a vmfb belongs to another export.
 
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
+                                   SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
                                    write_config)
 
 from . import compat as _compat
@@ -116,12 +120,15 @@ class _Entry(nn.Module):
                           **streams)
 
     def step(self, tokens, start_pos, lengths, slots, state, h=None):
+        from dsv4.model.device_sampling import all_finite
         from dsv4.model.kernels.topk import first_argmax
 
         logits = self._run(tokens, start_pos, lengths, slots, state, h)
         if not self.is_last:
             return logits
-        return logits, first_argmax(logits)[:, 0]  # = argmax(-1); aten.argmax fails on gfx942
+        # = argmax(-1) (aten.argmax fails on gfx942); -1 marks a row whose logits are not all finite
+        # (their sum is not), so a broken build or weights is an error in the runtime, not a token
+        return logits, torch.where(all_finite(logits), first_argmax(logits)[:, 0], -1)
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
         """prefill + the indices of every top-k in the graph, then the scores each one ranked (parity
@@ -337,6 +344,12 @@ def _program(fn: Callable, streams: bool = False) -> Callable:
     return traced_h if streams else traced
 
 
+def _sample_program(m, logits, temperature, top_k, top_p, key):
+    from dsv4.model.device_sampling import sample
+
+    return sample(logits, temperature, top_k, top_p, key)
+
+
 def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None:
     """torch.export one entry point into `fxb`, its state writes functionalized directly
     (export/functionalize.py) instead of turbine's whole-graph decomposition retrace; a graph that
@@ -358,10 +371,11 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
 def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], cfg,
                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
                 export_id: str, mlir_path: Path, log: Callable[[str], None], timings: dict[str, float],
-                tag: str, probe_topk: bool, kernels: dict[str, str]) -> None:
+                tag: str, probe_topk: bool, kernels: dict[str, str], sample_bs: Sequence[int] = ()) -> None:
     """Trace every entry point and import them into one MLIR module (the graph reads parameters by
     name from the .irpa, so tracing never touches weight values). `model` is the Transformer or a
-    pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first)."""
+    pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first).
+    `sample_bs`: the batch sizes that get a ``sample_bs{N}`` (model/device_sampling.py)."""
     from iree.turbine import aot
 
     entry = _Entry(model, list(state_spec)).eval()
@@ -404,6 +418,10 @@ def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...]
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
             log(f"traced {name} ({timings[f'trace:{name}{tag}']:.1f} s)")
+        for n in sample_bs:
+            args = (torch.zeros(n, cfg.vocab_size), torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n),
+                    torch.zeros(n, dtype=i64))
+            fxb.export_program(_sample_program, name=f"sample_bs{n}", args=args, strict=False)
         code = torch.tensor(list(export_id.encode()), dtype=i64)
         fxb.export_program(lambda m: code.clone(), name="export_id", args=(), strict=False)
 
@@ -525,6 +543,9 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     # HAL devices each module drives, and the devices the weights are cut for: a pipeline's stages are
     # one-device modules sharing the whole model's weights
     per_module = 1 if pipeline else devices
+    # sampling inside the module for every batch size whose logits it returns (one-device exports; a
+    # pipeline or multi-device export samples on the host)
+    sample_bs = sorted(set(bs) | set(dec_bs)) if devices == 1 and not pipeline else []
 
     # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
     groups: dict[str, list[Target]] = {}
@@ -555,7 +576,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                     if k is None:
                         _check_shards(param_inventory(model), specs)
                     _build_mlir(part, spec, cfg, bs, dec_bs, score_bs, min_tokens, max_chunk, export_id, mlir_path,
-                                log, timings, tag + name, probe_topk, kernels)
+                                log, timings, tag + name, probe_topk, kernels, sample_bs)
                 mlirs.append((mlir_path, name))
         files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, per_module, weights, out,
                                log, timings, tag)
@@ -598,7 +619,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
             shutil.copyfile(tc, stage / "tokenizer_config.json")
         tok_name = "tokenizer.json"
 
-    extra = {}
+    extra: dict[str, Any] = {f"sample_bs{n}": {"args": list(SAMPLE_ARGS), "results": ["ids"]} for n in sample_bs}
     if probe_topk:
         extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]), "results": ["logits", "topk...", "topk_scores..."]}
     config = build_config(

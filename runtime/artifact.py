@@ -9,8 +9,10 @@ An export directory holds::
     tokenizer.json [+ tokenizer_config.json]   (checkpoints that have one)
 
 Entry points (all integers int64; the state tensors follow as arguments in ``state`` order and are
-updated in place): ``prefill_bs{N}``/``decode_bs{N}`` -> (logits f32[N,V], argmax i64[N]);
-``score_bs1`` -> logprobs f32[1,T]; ``export_id()`` -> the bytes of config.json's ``export_id``.
+updated in place): ``prefill_bs{N}``/``decode_bs{N}`` -> (logits f32[N,V], argmax i64[N], -1 where a row's
+logits are not all finite);
+``score_bs1`` -> logprobs f32[1,T]; ``sample_bs{N}(logits, temperature, top_k, top_p, key)`` -> ids
+i64[N] (one-device exports: the token choice on the device); ``export_id()`` -> the bytes of config.json's ``export_id``.
 
 Weights (fields of config.json; `runtime/weights.py` reads and writes the files)::
 
@@ -66,7 +68,7 @@ from .errors import ArtifactError, EngineError
 
 __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
-    "FP8_DTYPES", "ENTRY_RESULTS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
+    "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
     "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
     "stage_state_name", "state_stage",
@@ -102,6 +104,7 @@ _DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "fp32"
                   "float": "float32", "half": "float16", "fp8": "float8_e4m3fn"}
 
 STEP_ARGS = ("tokens", "start_pos", "lengths", "slots")
+SAMPLE_ARGS = ("logits", "temperature", "top_k", "top_p", "key")  # sample_bs{N}: model/device_sampling.py
 ENTRY_RESULTS = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"]}
 
 
@@ -548,7 +551,9 @@ class ExportConfig:
             _need(isinstance(f, dict) and isinstance(f.get("args", []), list), p,
                   f"functions.{name}: must be an object with an args list")
             args = f.get("args")
-            if args is not None:
+            if name.startswith("sample_bs"):
+                _need(args == list(SAMPLE_ARGS), p, f"functions.{name}: args must be {list(SAMPLE_ARGS)}")
+            elif args is not None:
                 _need(len(args) == len(STEP_ARGS) + len(specs), p,
                       f"functions.{name}: {len(args)} args, expected {len(STEP_ARGS)} + {len(specs)} state tensors")
 

@@ -12,8 +12,10 @@ How a request runs (iree-notes §3, anchors §5):
   every call; each request owns one *slot* (dim 0 of every state tensor) while it runs;
 * calls are padded to the exported batch sizes with ``lengths == 0`` rows on slots that are not in
   the call (such rows leave the state untouched);
-* sampling happens on the host with one numpy Generator per request, so a request's draws do
-  not depend on what else is in the batch.
+* sampled tokens are chosen on the device by the export's ``sample_bs{N}`` (only ids come back;
+  greedy reads the step's argmax), or on the host from the logits for exports without it; either
+  way each request draws from its own numpy Generator, so its tokens do not depend on what else is
+  in the batch.
 
 Scheduling: ``submit()`` queues a request; each ``step()`` first admits queued requests while
 slots are free and prefills them (each prompt in chunks of at most ``prefill.max_tokens``
@@ -134,7 +136,7 @@ class Engine:
 
     def __init__(self, export_dir: str | Path, device: str = "local-task", device_index: int = 0,
                  *, check_export_id: bool = True, batch_invariant: bool = True, devices: int | None = None,
-                 stage_devices: Sequence[int] | None = None):
+                 stage_devices: Sequence[int] | None = None, device_sampling: bool = True):
         """Load ``export_dir`` (config.json, .irpa, the vmfb for ``device``) and allocate the state.
 
         ``device`` is an IREE driver: "local-task" / "local-sync" (the llvm-cpu vmfb), "cuda"
@@ -150,11 +152,16 @@ class Engine:
         agree bit for bit on llvm-cpu; on a GPU only in an export made with ``--batch-invariant``
         (measured on the H200 at decode batch sizes 1 to 64). False batches prefills across the
         exported sizes (fewer calls, logits may differ in the last bits with the company).
+        ``device_sampling`` (default) lets the export's ``sample_bs{N}`` pick sampled requests' tokens
+        on the device (model/device_sampling.py): only ids come back. False, or an export without
+        those functions, samples on the host from the logits (runtime/sampling.py). The two draw
+        differently, so a seed gives other tokens on each path (each reproducible).
         Raises ArtifactError for a missing, corrupt or mismatched artifact and EngineError for an
         unknown or unavailable device.
         """
         self.config = cfg = ExportConfig.load(export_dir)
         self.batch_invariant = batch_invariant
+        self.device_sampling = device_sampling
         self.device_name = device
         self.target = target_for_device(device)
         self.vmfb_path = cfg.vmfb_path(self.target)
@@ -192,7 +199,7 @@ class Engine:
         self._done: dict[int, GenerationResult] = {}
         self._next_id = 0
         self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0, "decode_rows": 0,
-                      "decode_padded_rows": 0}
+                      "decode_padded_rows": 0, "device_samples": 0}
 
     # ---- text ------------------------------------------------------------------------------
     @property
@@ -310,9 +317,9 @@ class Engine:
             r.slot = self.slots.allocate()
             self._running.append(r)
             admitted.append(r)
-        for r, (logits, argmax) in zip(admitted, self._prefill(admitted)):
+        for r, (logits, argmax, token) in zip(admitted, self._prefill(admitted)):
             r.pos = len(r.prompt)
-            events.append(self._accept(r, logits, argmax))
+            events.append(self._accept(r, logits, argmax, token))
         if decoding:
             events.extend(self._decode(decoding))
         for r in [r for r in self._running if r.finished]:
@@ -341,19 +348,19 @@ class Engine:
         res = self.invoke(fname, tokens, sp, ln, rows)
         return res[0], res[1]
 
-    def _prefill(self, reqs: list[_Request]) -> list[tuple[np.ndarray | None, int]]:
+    def _prefill(self, reqs: list[_Request]) -> list[tuple[np.ndarray | None, int, int | None]]:
         """Write each request's prompt into its slot, several requests per call (padding to an
         exported prefill batch size), each prompt in chunks of at most ``prefill.max_tokens``; a row
         whose prompt is done rides along with length 0 (its state untouched). Returns (logits or
-        None, argmax) at each prompt's last token."""
+        None, argmax, token sampled on the device or None) at each prompt's last token."""
         cfg = self.config
         step = cfg.prefill_max_tokens
-        out: list[tuple[np.ndarray | None, int]] = []
+        out: list[tuple[np.ndarray | None, int, int | None]] = []
         # batch-invariant: always the same function (the decode functions agree bit for bit on llvm-cpu;
         # cuda: docs/batch-invariance.md)
         sizes = cfg.prefill_batch_sizes[:1] if self.batch_invariant else cfg.prefill_batch_sizes
         for group, bs, rows in self._groups(reqs, sizes):
-            last: list[tuple[np.ndarray | None, int]] = [(None, -1)] * len(group)
+            last: list[tuple[np.ndarray | None, int, int | None]] = [(None, -1, None)] * len(group)
             for s in range(0, max(len(r.prompt) for r in group), step):
                 pieces = [r.prompt[s:s + step] for r in group]
                 T = max(max(len(p) for p in pieces), cfg.prefill_min_tokens)
@@ -363,11 +370,14 @@ class Engine:
                 ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
                 if ending:
                     argmax = np.asarray(argmax_d.to_host()).reshape(-1)
+                    self._check_finite(f"prefill_bs{bs}", argmax, [(k, group[k]) for k in ending])
+                    ids = self._sample_on_device(logits_d, bs, [(k, group[k]) for k in ending])
                     # a copy: the host view's buffer is reused by the next call (the next group's)
                     logits = (np.array(logits_d.to_host(), copy=True)
-                              if any(group[k].params.needs_logits for k in ending) else None)
+                              if self._need_host_logits([group[k] for k in ending], ids) else None)
                     for k in ending:
-                        last[k] = (None if logits is None else logits[k], int(argmax[k]))
+                        last[k] = (None if logits is None else logits[k], int(argmax[k]),
+                                   None if ids is None else ids.get(k))
             out.extend(last)
         return out
 
@@ -381,15 +391,54 @@ class Engine:
             self.stats["decode_rows"] += n
             self.stats["decode_padded_rows"] += bs - n
             argmax = np.asarray(argmax_d.to_host()).reshape(-1)
-            logits = np.asarray(logits_d.to_host()) if any(r.params.needs_logits for r in group) else None
+            self._check_finite(f"decode_bs{bs}", argmax, list(enumerate(group)))
+            ids = self._sample_on_device(logits_d, bs, list(enumerate(group)))
+            logits = np.asarray(logits_d.to_host()) if self._need_host_logits(group, ids) else None
             for k, r in enumerate(group):
                 r.pos += 1
-                events.append(self._accept(r, None if logits is None else logits[k], int(argmax[k])))
+                events.append(self._accept(r, None if logits is None else logits[k], int(argmax[k]),
+                                           None if ids is None else ids.get(k)))
         return events
 
-    def _accept(self, r: _Request, logits: np.ndarray | None, argmax: int) -> StreamChunk:
-        """Sample a token for ``r``, extend its text (incrementally) and stop state, make its chunk."""
-        tok = sample_token(logits, r.params, r.rng, argmax=argmax)
+    def _check_finite(self, fname: str, argmax: np.ndarray, rows: list[tuple[int, _Request]]) -> None:
+        """The step marks a row whose logits hold NaN or inf with argmax -1 (export/exporter.py):
+        such a row has no next token, and picking one anyway would be a wrong answer."""
+        bad = [(k, r) for k, r in rows if argmax[k] < 0]
+        if bad:
+            k, r = bad[0]
+            raise EngineError(f"{fname} returned non-finite logits for {len(bad)} request(s), e.g. request {r.id} "
+                              f"(row {k}, slot {r.slot}, position {r.pos}): the export or its weights are "
+                              "broken (docs/real-size.md)")
+
+    def _sample_on_device(self, logits_d: Any, bs: int, rows: list[tuple[int, _Request]]) -> dict[int, int] | None:
+        """{row: token} for the sampled (non-greedy) requests among ``rows`` (row index in the call,
+        request), chosen by the export's ``sample_bs{bs}`` on the logits still on the device; None
+        when none of them samples or the export has no such function (the host then samples).
+        Each sampled request draws one 32-bit key from its own generator."""
+        name = f"sample_bs{bs}"
+        todo = [(k, r) for k, r in rows if not r.params.greedy]
+        if not todo or not self.device_sampling or not self.config.has_function(name):
+            return None
+        temp = np.zeros(bs, np.float32)  # 0: greedy (padding rows)
+        top_k = np.zeros(bs, np.int64)
+        top_p = np.ones(bs, np.float32)
+        key = np.zeros(bs, np.int64)
+        for k, r in todo:
+            temp[k], top_k[k], top_p[k] = r.params.temperature, r.params.top_k, r.params.top_p
+            key[k] = r.rng.integers(0, 2**32)
+        ids = np.asarray(self.module.function(name)(logits_d, temp, top_k, top_p, key).to_host()).reshape(-1)
+        self._check_finite(name, ids, todo)
+        self.stats["device_samples"] += len(todo)
+        return {k: int(ids[k]) for k, _ in todo}
+
+    def _need_host_logits(self, reqs: Sequence[_Request], ids: dict[int, int] | None) -> bool:
+        """Whether the host must read the logits: logprobs to report, or sampling the device did not do."""
+        return any(r.params.logprobs is not None or (not r.params.greedy and ids is None) for r in reqs)
+
+    def _accept(self, r: _Request, logits: np.ndarray | None, argmax: int, token: int | None = None) -> StreamChunk:
+        """Take ``token`` (sampled on the device) or sample one for ``r`` on the host, extend its text
+        (incrementally) and stop state, make its chunk."""
+        tok = token if token is not None else sample_token(logits, r.params, r.rng, argmax=argmax)
         now = time.perf_counter()
         if r.t_first is None:
             r.t_first = now

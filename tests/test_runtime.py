@@ -916,6 +916,80 @@ def test_tiny_sampling_seeds(tiny_engine) -> None:
     assert res[1].tokens == a.tokens
 
 
+def test_tiny_sample_function_equals_torch(tiny_engine) -> None:
+    """sample_bs{N} compiled (model/device_sampling.py) picks the ids the torch function picks."""
+    import torch
+
+    from dsv4.model.device_sampling import sample
+
+    v = tiny_engine.config.model["vocab_size"]
+    g = np.random.default_rng(1)
+    for n in (1, 4):
+        fn = tiny_engine.module.function(f"sample_bs{n}")
+        for _ in range(6):
+            a = ((g.standard_normal((n, v)) * 3).astype(np.float32), g.choice([0.0, 0.8, 1.3], n).astype(np.float32),
+                 g.choice([0, 1, 7, 100], n), g.choice([1.0, 0.9, 0.5], n).astype(np.float32),
+                 g.integers(0, 2**32, n))
+            got = np.asarray(fn(*a).to_host()).reshape(-1)
+            assert got.tolist() == sample(*(torch.as_tensor(x) for x in a)).tolist()
+
+
+def test_tiny_device_sampled_tokens_match_an_eager_replay(tiny_engine, tiny_eager) -> None:
+    """The engine's device-sampled stream equals an eager loop that takes the same per-token keys
+    from the request's seed and samples with the float64 reference."""
+    import torch
+    from test_device_sampling import ref_sample
+
+    from dsv4.model.state import new_state
+
+    sp = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    before = tiny_engine.stats["device_samples"]
+    got = tiny_engine.generate(TINY_PROMPTS[1], sp).tokens
+    assert tiny_engine.stats["device_samples"] - before == 20  # every token chosen on the device
+
+    rng = np.random.Generator(np.random.PCG64(7))
+    cfg = tiny_eager.cfg
+    state = new_state(cfg, 1, tiny_eager.dtype)
+    one = lambda v: torch.tensor([v])
+    prompt = TINY_PROMPTS[1]
+    with torch.no_grad():
+        for s in range(0, len(prompt), TINY_CHUNK):
+            piece = prompt[s:s + TINY_CHUNK]
+            logits = tiny_eager(torch.tensor([piece]), one(s), one(len(piece)), one(0), state)
+        ref, pos = [], len(prompt)
+        for _ in range(20):
+            ref.append(ref_sample(logits[0].numpy(), 0.9, 50, 0.9, int(rng.integers(0, 2**32))))
+            logits = tiny_eager(torch.tensor([[ref[-1]]]), one(pos), one(1), one(0), state)
+            pos += 1
+    assert got == ref
+
+
+def test_tiny_nonfinite_logits_are_an_error(tiny_export: Path, tmp_path: Path) -> None:
+    """A NaN in the weights (the final norm) makes every row's logits NaN: the step marks the rows
+    (argmax -1) and the engine raises, greedy and device-sampled alike, instead of emitting a token."""
+    import shutil
+
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.weights import open_weights, write_shards
+
+    d = tmp_path / "nan"
+    shutil.copytree(tiny_export, d)
+    cfg = ExportConfig.load(d)
+    w = open_weights([d / p for p in cfg.raw["parameters"]])
+    tensors = []
+    for key, _, dtype in cfg.raw["weights"]["tensors"]:
+        a = np.array(w.tensor(key))
+        if key == "model.norm.weight":
+            a[0] = np.nan
+        tensors.append((key, a, dtype))
+    del w
+    write_shards(d, iter(tensors))
+    eng = Engine(d)
+    for sp in (SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=0.8, seed=1)):
+        with pytest.raises(EngineError, match="non-finite logits"):
+            eng.generate(TINY_PROMPTS[0], sp)
+
+
 def test_tiny_slot_reuse_leaks_nothing(tiny_engine, tiny_reference) -> None:
     tiny_engine.generate_batch([TINY_PROMPTS[3]] * TINY_SLOTS, SamplingParams(max_new_tokens=40, ignore_eos=True))
     for i in (2, 0):

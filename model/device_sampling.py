@@ -1,0 +1,110 @@
+"""Token choice inside the compiled module: the ``sample_bs{N}`` entry points.
+
+    sample(logits f32[N,V], temperature f32[N], top_k i64[N], top_p f32[N], key i64[N]) -> ids i64[N]
+
+(-1 for a row whose logits are not all finite, as the step's own argmax: the runtime raises.)
+
+Why: a sampled request otherwise reads its row of logits back to the host every step (Flash's
+129,280 x 4 B per row, 33 MB at batch 64) and sorts it there. Called on the decode's logits, which
+stay on the device, the host sends five numbers per row and reads one id back.
+
+Row by row, the filters of the host sampler (runtime/sampling.py), with no sort:
+- temperature 0: the first argmax (greedy);
+- top-k: the k-th largest scaled logit, bisected bit by bit over its order key (32 rounds of one
+  count each, exact: the threshold is one of the row's own values); every token at or above it kept;
+- top-p: the largest probability threshold whose kept mass still reaches top_p of the top-k mass
+  (31 rounds: probabilities are non-negative, so their order keys fit in 31 bits);
+- the draw, Gumbel-max: the argmax over kept tokens of x/T + G_i, G_i = -log(-log(u_i)), an exact
+  sample from softmax(x/T) restricted to the kept set. u_i comes from a counter hash of (key, i),
+  so a row's token depends only on its logits and its 32-bit key (the host draws one per token from
+  the request's seed): batched and solo runs pick the same token.
+The kept sets differ from the host sampler's only at exact ties with a threshold (the host keeps the
+lower ids, this keeps every tied token) and, for top-p, where float32 and float64 mass sums fall on
+different sides of top_p. Counts and sums run in float32: the GPU backends fail on int64
+reductions (kernels/topk.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.topk import _order_key, first_argmax
+
+__all__ = ["sample", "hash_uniform", "all_finite"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    # a tensor shift: torch-mlir lowers int64 floor division (and so `x >> s` spelled `x // 2**s`)
+    # through float, which rounds near multiples (measured on llvm-cpu); the scalar shift form does
+    # not lower at all
+    return torch.bitwise_right_shift(x, torch.tensor(s, dtype=torch.int64))
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """x * m mod 2^32 for x in [0, 2^32) held in int64, with no int64 overflow (16-bit halves)."""
+    lo = torch.bitwise_and(x, 0xFFFF) * m
+    hi = torch.bitwise_and(_shr(x, 16) * m, 0xFFFF)
+    return torch.bitwise_and(lo + hi * 65536, _M32)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "lowbias32" constants): a bijection of [0, 2^32)."""
+    x = torch.bitwise_xor(x, _shr(x, 16))
+    x = _mul32(x, 0x7FEB352D)
+    x = torch.bitwise_xor(x, _shr(x, 15))
+    x = _mul32(x, 0x846CA68B)
+    return torch.bitwise_xor(x, _shr(x, 16))
+
+
+def hash_uniform(key: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, n] float32 uniforms in (0, 1), row r from key[r] (int64, its low 32 bits used): u_i =
+    (top 23 bits of mix(mix(key) + i) + 1/2) / 2^23, exact in float32 whether or not the compiler
+    fuses the multiply-add. Distinct i give distinct hashes (mix is a bijection)."""
+    idx = torch.arange(n, dtype=torch.int64, device=key.device)
+    h = _mix32(torch.bitwise_and(_mix32(torch.bitwise_and(key.reshape(-1, 1), _M32)) + idx, _M32))
+    return (_shr(h, 9).float() + 0.5) * (1.0 / 2**23)
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """[R] bool: no NaN or inf in row r of x [R, V] (the row sum is finite; aten.isfinite does not
+    lower in torch-mlir, an ordered compare with inf does: false for NaN and inf)."""
+    return x.float().sum(-1).abs() < float("inf")
+
+
+def _threshold(key: torch.Tensor, weight: torch.Tensor, need: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per row, the largest t with sum(weight[key >= t]) >= need[row], bisected from bit bits-1
+    down (key: order keys, int64 [R, V]; weight float32 [R, V]; need float32 [R, 1])."""
+    t = torch.zeros_like(key[:, :1])
+    for b in range(bits - 1, -1, -1):
+        c = t + (1 << b)
+        t = torch.where(torch.where(key >= c, weight, 0.0).sum(-1, keepdim=True) >= need, c, t)
+    return t
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           key: torch.Tensor) -> torch.Tensor:
+    """ids [N] (int64): one token per row of logits [N, V] (the module docstring has the rules), -1
+    where a row holds NaN or inf.
+    temperature <= 0 is greedy; top_k <= 0 or >= V and top_p >= 1 switch those filters off."""
+    x = logits.float()
+    n, v = x.shape
+    temp = temperature.float().reshape(n, 1)
+    hot = temp > 0
+    xs = x / torch.where(hot, temp, 1.0)
+    # top-k: the k-th largest order key; every token at or above it stays
+    k = top_k.reshape(n, 1)
+    k = torch.where(torch.logical_and(k > 0, k < v), k, v).float()
+    ks = _order_key(xs)
+    keep = ks >= _threshold(ks, torch.ones_like(xs), k, 32)
+    # top-p over the renormalised top-k set: probabilities >= 0 order as their float32 bits
+    p = torch.where(keep, torch.exp(xs - xs.amax(-1, keepdim=True)), 0.0)
+    tp = top_p.float().reshape(n, 1)
+    need = tp * p.sum(-1, keepdim=True)
+    pk = _order_key(p) - 2**31  # [0, 2^31) for p >= 0
+    keep = torch.logical_and(keep, torch.logical_or(tp >= 1.0, pk >= _threshold(pk, p, need, 31)))
+    g = -torch.log(-torch.log(hash_uniform(key, v)))
+    drawn = first_argmax(torch.where(keep, xs + g, float("-inf")))
+    ids = torch.where(hot, drawn, first_argmax(x))
+    return torch.where(all_finite(x)[:, None], ids, -1).reshape(n)  # -1: non-finite logits
