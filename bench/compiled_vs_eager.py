@@ -1,7 +1,7 @@
 """Compiled export vs the eager PyTorch model on the same weights (the export's own .irpa).
 
     python bench/compiled_vs_eager.py OUT [--device cuda] [--eager-device cuda] [--eager-device2 cpu]
-                                      [--prompt-len 100] [--steps 32]
+                                      [--reference-dtype float32] [--prompt-len 100] [--steps 32]
 
 Prefills one random prompt of --prompt-len tokens (one prefill_bs1 call per chunk of at most the
 export's max_tokens), then decodes greedily --steps tokens, both sides fed the compiled side's
@@ -17,6 +17,8 @@ in two pieces) and, with --eager-device2, the difference between eager on two de
 logits): two correct implementations that round differently. In bf16 with the reference's FP8
 activation quantization, one rounding difference in an activation can move an e4m3 code by a
 step (1/8 relative), so implementation noise is far above bf16's own 2^-8 (docs/real-size.md).
+With --reference-dtype float32 a third side, the eager model on the same weights with float32
+activations, is the yardstick for both bf16 sides: per step, whether each one's argmax equals it.
 The eager side maps the weights (model.checkpoint.load_irpa(mapped=True)), so it needs torch but
 no copy of the weights on the CPU. Exit status 1 when greedy differs.
 """
@@ -37,7 +39,7 @@ class Eager:
     are the export's .irpa files, memory-mapped (load_irpa(mapped=True)): nothing is copied on the
     CPU, and a GPU device gets one copy."""
 
-    def __init__(self, eng, device: str, moe: str = "reference"):
+    def __init__(self, eng, device: str, moe: str = "reference", dtype: str | None = None):
         import torch
 
         from dsv4.model.checkpoint import load_irpa
@@ -51,6 +53,13 @@ class Eager:
         quantized = any(dt.startswith("float8") for _, _, dt in c.raw["weights"]["tensors"])
         model = empty_model(self.cfg, self.act, quantized=quantized)
         load_irpa(model, eng.parameters_paths, mapped=True)
+        wide = getattr(torch, dtype) if dtype else self.act
+        if wide != self.act:  # the same weights at a wider activation dtype: bf16 tensors widened
+            src = model.state_dict()  # exactly, FP8 / MXFP4 codes and scales as they are
+            model = empty_model(self.cfg, wide, quantized=quantized)
+            for name, t in model.state_dict(keep_vars=True).items():
+                t.data = src[name].to(t.dtype)
+            self.act = wide
         self.model = model.to(device).eval()
         self.reset()
 
@@ -90,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="eager MoE: the all-experts reference (default) or the routed torch code "
                          "(tests/test_moe_routed.py: equal up to fp32 summation order; 40x less work "
                          "for Flash's 256 experts, for eager on a CPU)")
+    ap.add_argument("--reference-dtype", choices=("float32",),
+                    help="also run the eager model at this activation dtype (same weights) as the "
+                         "reference both bf16 sides are scored against: how often each one's argmax "
+                         "differs from it says whether a compiled-vs-eager flip is the compiler's or bf16's")
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -130,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             pos += len(piece)
         return out
 
+    ref = Eager(eng, args.eager_device, args.eager_moe, args.reference_dtype) if args.reference_dtype else None
+    run_ref = (lambda tokens, pos: ref(tokens, pos)) if ref is not None else (lambda tokens, pos: None)
     rows = []
     for piece, pos in chunks():
-        lc, le = compiled("prefill_bs1", piece, pos), eager(piece, pos)
+        lc, le, lr = compiled("prefill_bs1", piece, pos), eager(piece, pos), run_ref(piece, pos)
     pos = len(ids)
     eager_prefill = le
     for step in range(args.steps + 1):
@@ -144,11 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"step": step, "rel_err": rel, "compiled": tc, "eager": te, "agree": tc == te,
                      "eager_margin": margin, "max_abs_err": err})
         note = "ok" if tc == te else f"DIFF (eager margin {margin:.3g} {'<' if margin < err else '>='} max |diff| {err:.3g})"
+        if lr is not None:
+            tr = int(lr.argmax())
+            rows[-1].update(reference=tr, compiled_rel_err_vs_reference=rel_err(lc, lr),
+                            eager_rel_err_vs_reference=rel_err(le, lr))
+            note += f"  {args.reference_dtype} {tr:6d} (compiled {'=' if tc == tr else '!='}, eager {'=' if te == tr else '!='})"
         print(f"step {step:3d}  rel err {rel:.2e}  compiled {tc:6d}  eager {te:6d}  {note}")
         if step == args.steps:
             break
         tok = np.array([tc], dtype=np.int64)
-        lc, le = compiled("decode_bs1", tok, pos), eager(tok, pos)
+        lc, le, lr = compiled("decode_bs1", tok, pos), eager(tok, pos), run_ref(tok, pos)
         pos += 1
     # the eager model's own sensitivity: the same prompt prefilled in two chunks (the same math in
     # another order); a random-weight model at init scale can be far more sensitive than a trained one
@@ -178,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                "greedy_equal": agree == len(rows),
                # flips where eager's own preference is smaller than the step's logit error
                "flips_at_near_ties": sum(1 for r in rows if not r["agree"] and r["eager_margin"] < r["max_abs_err"]),
+               **({"reference_dtype": args.reference_dtype,
+                   "compiled_agrees_with_reference": f"{sum(r['compiled'] == r['reference'] for r in rows)}/{len(rows)}",
+                   "eager_agrees_with_reference": f"{sum(r['eager'] == r['reference'] for r in rows)}/{len(rows)}",
+                   "compiled_max_rel_err_vs_reference": max(r["compiled_rel_err_vs_reference"] for r in rows),
+                   "eager_max_rel_err_vs_reference": max(r["eager_rel_err_vs_reference"] for r in rows)}
+                  if ref is not None else {}),
                # wall time of the compiled calls (the first prefill includes the device's warm-up)
                "compiled_prefill_s": round(sum(seconds["prefill_bs1"]), 3),
                "compiled_decode_ms_median": round(1e3 * float(np.median(seconds["decode_bs1"])), 2)

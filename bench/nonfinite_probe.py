@@ -3,6 +3,13 @@ every call print how many logits are not finite and which state tensors (and whi
 them) hold NaN/inf.
 
     python bench/nonfinite_probe.py OUT [--device cuda] [--tokens 128] [--steps 3]
+    python bench/nonfinite_probe.py OUT --requests 64 [--tokens 16] [--steps 3] [--seed 0]
+
+The second form runs N requests together through the Engine (each prefilled alone, then decoded
+in one decode_bs{N} call per step) and prints the first non-finite row the engine refuses (its
+EngineError names the function, row, slot and position) or that every step was finite. Session
+14 found with it (by hand) that Flash --layers 4 on cuda returns an all-NaN last row from
+decode_bs64 for some prompts (docs/real-size.md).
 
 Session 11 found with it (Flash --layers 4, bf16, cuda): the prefill of 128 tokens is finite, the
 first decode step (position 128) returns all-NaN logits while every state tensor stays finite, so
@@ -24,7 +31,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=0, help="N requests through the Engine (the second form)")
     a = ap.parse_args()
+    if a.requests:
+        return engine_requests(a)
 
     from bisect_modules import host_copy  # bench/, beside this script
 
@@ -58,6 +68,24 @@ def main() -> None:
         tok = np.array([[int(np.argmax(finite))]], dtype=np.int64)
         pos = T + step
         lg = report(f"decode at position {pos}", eng.invoke("decode_bs1", tok, np.array([pos]), np.array([1]), np.array([0]))[0])
+
+
+def engine_requests(a: argparse.Namespace) -> None:
+    from dsv4.runtime import Engine, EngineError, SamplingParams
+
+    eng = Engine(a.out, device=a.device)
+    g = np.random.default_rng(a.seed)
+    prompts = [g.integers(3, eng.config.vocab_size, a.tokens).tolist() for _ in range(a.requests)]
+    for p in prompts:
+        eng.submit(p, SamplingParams(max_new_tokens=a.steps + 1, ignore_eos=True))
+    try:
+        step = 0
+        while eng.has_work:
+            eng.step()
+            step += 1
+        print(f"{a.requests} requests of {a.tokens} tokens, {a.steps} decode steps: every row finite")
+    except EngineError as e:
+        print(f"{a.requests} requests of {a.tokens} tokens, engine step {step}: {e}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ export's activation dtype, with its own cache (one DynamicCache per group of row
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,6 +118,8 @@ class TransformersBackend:
         del state
         self.model = hf.to(self.device).eval()
         self.name = f"transformers ({self.device})"
+        self.dtype = dtype
+        self.autocast = False
         self.caches: dict[tuple[int, ...], Any] = {}
 
     def _step(self, tokens: np.ndarray, slots: np.ndarray, new: bool) -> np.ndarray:
@@ -127,9 +131,24 @@ class TransformersBackend:
         elif key not in self.caches:
             raise ValueError(f"transformers backend: rows {key} were not prefilled together")
         ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.device)
-        with torch.no_grad():
-            out = self.model(input_ids=ids, past_key_values=self.caches[key], use_cache=True, logits_to_keep=1)
+        try:
+            out = self._forward(ids, self.caches[key])
+        except RuntimeError as e:
+            # transformers 5.17's DeepSeek-V4 hands an fp32 hidden state to a bf16 linear (5.24 does
+            # not): run its forward under autocast to our dtype instead, and say so in the row name
+            if self.autocast or not new or "same dtype" not in str(e) or self.dtype == torch.float32:
+                raise
+            self.autocast = True
+            self.name = f"transformers ({self.device}, autocast)"
+            self.caches[key] = DynamicCache(config=self.model.config)
+            out = self._forward(ids, self.caches[key])
         return out.logits[:, -1].argmax(-1).cpu().numpy()  # .cpu() waits for the device
+
+    def _forward(self, ids: torch.Tensor, cache: Any) -> Any:
+        amp = (torch.autocast(torch.device(self.device).type, dtype=self.dtype) if self.autocast
+               else contextlib.nullcontext())
+        with torch.no_grad(), amp:
+            return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     def prefill(self, tokens, start, lengths, slots) -> np.ndarray:
         n, s = int(lengths[0]), int(start[0])

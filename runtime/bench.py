@@ -147,10 +147,16 @@ class IreeBackend:
 
         self.engine = Engine(export_dir, device=device)
         self.name = f"iree {device}"
+        self.nonfinite_rows = 0  # rows the module marked non-finite (argmax -1): a broken build
 
     def _run(self, fname: str, tokens, start, lengths, slots) -> np.ndarray:
         _, argmax = self.engine.invoke(fname, tokens, start, lengths, slots)
-        return np.asarray(argmax.to_host()).reshape(-1)
+        out = np.asarray(argmax.to_host()).reshape(-1)
+        bad = out < 0
+        if bad.any():  # counted and reported; fed back as token 0 so the timing run goes on
+            self.nonfinite_rows += int(bad.sum())
+            out = np.where(bad, 0, out)
+        return out
 
     def prefill(self, tokens, start, lengths, slots) -> np.ndarray:
         return self._run(f"prefill_bs{tokens.shape[0]}", tokens, start, lengths, slots)
@@ -229,8 +235,22 @@ def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch:
 # same run goes under Nsight Compute when `ncu` is installed.
 PROFILE_MODES = {"cuda": "dispatch-events", "hip": "dispatch-events", "local-task": "host-execution",
                  "local-sync": "host-execution"}
+# Under ncu every kernel launch is serialized and timed (~700 per Flash decode step): 64 calls took
+# over 150 s on the H200, so the profile runs a few calls, with a time limit
+PROFILE_CALLS = 4
+PROFILE_TIMEOUT_S = 180
 _SPLAT_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int64": "i64", "int32": "i32",
                 "float8_e4m3fn": "f8E4M3FN", "float8_e4m3fnuz": "f8E4M3FNUZ", "uint8": "i8", "int8": "i8"}
+
+
+def _run_limited(cmd: list[str]) -> Any:
+    """subprocess.run with PROFILE_TIMEOUT_S; None when it ran past that (the child is killed)."""
+    import subprocess
+
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _last_line(run: Any) -> str:
@@ -245,10 +265,10 @@ def _tool(name: str) -> Path:
 
 
 def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: int, workdir: Path) -> dict[str, Any]:
-    """Top 10 dispatches by time of `steps` decode_bs{batch} calls at `position` (zero state: every
-    read is masked by position, the work is the same), or why that is unavailable."""
-    import subprocess
-
+    """Top 10 dispatches by time of `steps` (at most PROFILE_CALLS) decode_bs{batch} calls at
+    `position` (zero state: every read is masked by position, the work is the same), or why that is
+    unavailable."""
+    steps = min(steps, PROFILE_CALLS)
     mode = PROFILE_MODES.get(device)
     cfg = eng.config
     bad = [s.dtype for s in cfg.state if s.dtype not in _SPLAT_TYPES]
@@ -272,15 +292,18 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
            f"--device_profiling_output={prof}"]
     if eng.target == "llvm-cpu":
         cmd.append("--task_worker_stack_size=1048576")
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = _run_limited(cmd)
+    if run is None:
+        return {"available": False, "why": f"iree-benchmark-module ran past {PROFILE_TIMEOUT_S} s"}
     if run.returncode != 0:
         last = _last_line(run)
         if device == "cuda" and "UNIMPLEMENTED" in last and shutil.which("ncu"):
             # IREE 3.13's CUDA HAL has no native profiling: time every kernel with Nsight Compute instead
             return _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
         return {"available": False, "why": f"iree-benchmark-module failed: {last[:300]}"}
-    rep = subprocess.run([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)],
-                         capture_output=True, text=True)
+    rep = _run_limited([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)])
+    if rep is None:
+        return {"available": False, "why": f"iree-profile ran past {PROFILE_TIMEOUT_S} s"}
     groups = [json.loads(line) for line in rep.stdout.splitlines() if line.startswith("{")]
     groups = [g for g in groups if g.get("type") in ("dispatch_group", "host_dispatch_group")]
     if rep.returncode != 0 or not groups:
@@ -297,12 +320,12 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
 def _ncu_profile(cmd: list[str], batch: int, steps: int, workdir: Path) -> dict[str, Any]:
     """dispatch_profile through Nsight Compute: `cmd` (iree-benchmark-module running `steps` decode
     calls) under `ncu`, one kernel-duration metric (one pass, no replay); the clocks left alone."""
-    import subprocess
-
     log = workdir / "ncu.csv"
     ncu = ["ncu", "--csv", "--metrics", "gpu__time_duration.sum", "--clock-control", "none",
            "--log-file", str(log)]
-    run = subprocess.run(ncu + cmd, capture_output=True, text=True)
+    run = _run_limited(ncu + cmd)
+    if run is None:
+        return {"available": False, "why": f"ncu ran past {PROFILE_TIMEOUT_S} s"}
     if run.returncode != 0 or not log.exists():
         return {"available": False, "why": f"ncu failed: {_last_line(run)[:300]}"}
     return kernel_table(log.read_text(), batch, steps, "Nsight Compute (gpu__time_duration)")
@@ -484,6 +507,9 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                 decode.append(row)
                 progress(f"{be.name} batch {b} context {c}: {row['ms_per_step']:.3f} ms/step, "
                          f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+        if name is None and iree_be.nonfinite_rows:
+            progress(f"WARNING: the module returned non-finite logits in {iree_be.nonfinite_rows} row(s): "
+                     "its timings are of a broken build")
         if name is not None:
             del be
             _free_torch_memory()
@@ -505,7 +531,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                   "max_seq_len": cfg.max_seq_len, "n_slots": cfg.n_slots},
         "settings": {k: v for k, v in asdict(plan).items() if k != "notes"},
         "copy_bandwidth_gbps": bw, "copy_mib": mib, "notes": plan.notes,
-        "decode": decode, "ttft": ttft, "profile": profile,
+        "decode": decode, "ttft": ttft, "profile": profile, "iree_nonfinite_rows": iree_be.nonfinite_rows,
     }
 
 
@@ -516,6 +542,8 @@ def print_table(rep: dict[str, Any], out: Any = None) -> None:
       f"vocab {m['vocab']}, {m['parameter_bytes'] / 1e6:.1f} MB parameters, {m['activation_dtype']}")
     w(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up, argmax fed back; "
       f"copy bandwidth {rep['copy_bandwidth_gbps']:.1f} GB/s ({rep['copy_mib']} MiB device-to-device, read+write)")
+    if rep.get("iree_nonfinite_rows"):
+        w(f"WARNING: {rep['iree_nonfinite_rows']} row(s) of the IREE module's logits were not finite (a broken build)")
     w("")
     w(f"{'backend':<20} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} {'prefill tok/s':>13} "
       f"{'roofline ms':>11} {'% roofline':>10}")
