@@ -41,15 +41,23 @@ def check(eng, sizes: list[int], vocab: int, trials: int = 8) -> None:
 
 
 def step_ms(eng, batch: int, steps: int, params) -> float:
+    """Mean ms per engine step, or NaN (with the engine's message) when a step returned non-finite logits."""
+    from dsv4.runtime import EngineError
+
     g = np.random.default_rng(batch)
     vocab = eng.config.model["vocab_size"]
-    for k in range(batch):
-        eng.submit(g.integers(3, vocab, 16).tolist(), params(k))
+    ids = [eng.submit(g.integers(3, vocab, 16).tolist(), params(k)) for k in range(batch)]
     times = []
-    while eng.has_work:
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
+    try:
+        while eng.has_work:
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
+    except EngineError as e:
+        print(f"batch {batch}: {e}", flush=True)
+        for i in ids:
+            eng.cancel(i)
+        return float("nan")
     return 1e3 * float(np.mean(times[3:3 + steps]))  # step 1 prefills; 2 untimed decode steps
 
 
