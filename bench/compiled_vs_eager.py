@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     ref = Eager(eng, args.eager_device, args.eager_moe, args.reference_dtype) if args.reference_dtype else None
-    run_ref = (lambda tokens, pos: ref(tokens, pos)) if ref is not None else (lambda tokens, pos: None)
+    run_ref = ref if ref is not None else (lambda tokens, pos: None)
     rows = []
     for piece, pos in chunks():
         lc, le, lr = compiled("prefill_bs1", piece, pos), eager(piece, pos), run_ref(piece, pos)

@@ -370,11 +370,12 @@ class Engine:
                 ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
                 if ending:
                     argmax = np.asarray(argmax_d.to_host()).reshape(-1)
-                    self._check_finite(f"prefill_bs{bs}", argmax, [(k, group[k]) for k in ending])
-                    ids = self._sample_on_device(logits_d, bs, [(k, group[k]) for k in ending])
+                    done = [(k, group[k]) for k in ending]
+                    self._check_finite(f"prefill_bs{bs}", argmax, done)
+                    ids = self._sample_on_device(logits_d, bs, done)
                     # a copy: the host view's buffer is reused by the next call (the next group's)
                     logits = (np.array(logits_d.to_host(), copy=True)
-                              if self._need_host_logits([group[k] for k in ending], ids) else None)
+                              if self._need_host_logits([r for _, r in done], ids) else None)
                     for k in ending:
                         last[k] = (None if logits is None else logits[k], int(argmax[k]),
                                    None if ids is None else ids.get(k))

@@ -72,11 +72,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def needs_logits(self) -> bool:
-        """Whether the host needs this request's logits (sampling, or logprobs to report)."""
-        return not self.greedy or self.logprobs is not None
-
 
 def make_rng(seed: int | None) -> tuple[np.random.Generator, int]:
     """A private Generator for one request and the seed that reproduces it."""
