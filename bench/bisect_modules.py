@@ -18,6 +18,10 @@ own prefill_bs1 leaves after --tokens prompt tokens (both sides start from that 
 non-finite output shows as `rel err nan` on the first module that makes it. Every output of both
 sides lands in WORK/outputs.npz ("got <label>", "want <label>"), e.g. to replay one op's inputs alone.
 --kernel OP=IMPL traces the probe with another lowering of a hot spot (as `dsv4 export --kernel`).
+--decode --batch B: B rows, each prefilled alone into its own slot, one decode call of B rows (the
+NaN hunt of session 15: decode_bs40/64's last row). --no-eager skips the eager side and prints the
+rows of every output that hold NaN/inf; --only NAMES records fewer outputs (each one recorded
+changes what the compiler fuses, and with it what a layout-dependent bug does).
 A GPU host has no IREE compiler: build the probe here (--build-only; it lands in --work), carry it,
 and run it there with --probe FILE --device cuda.
 """
@@ -92,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="folder for the probe MLIR/vmfb (default: OUT/bisect)")
     ap.add_argument("--decode", action="store_true",
                     help="probe one decode step at position --tokens (after the export's own prefill)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="with --decode: B rows, row b prefilled (its own prompt) into slot b, one decode call of B rows")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="skip the eager side: print each output's rows that hold NaN/inf (for a NaN hunt)")
+    ap.add_argument("--only", metavar="NAMES", help="record only these outputs (comma list of labels, e.g. "
+                    "norm,layers.3): fewer outputs change the compiled graph's fusion less")
     ap.add_argument("--build-only", action="store_true", help="trace and compile the probe, then stop")
     ap.add_argument("--probe", metavar="VMFB", help="a probe built earlier (--build-only): no tracing here")
     ap.add_argument("--device", default=None, help="IREE driver that runs it (default: the target's)")
@@ -129,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             if sub in ("hc_attn", "attn.sparse") or n.split(":")[0] in dict(model.named_modules()):
                 names.append(n)
     names.append("norm")
+    if args.only:
+        keep = args.only.split(",")
+        unknown = [n for n in keep if n not in names]
+        if unknown:
+            raise SystemExit(f"--only: unknown outputs {unknown}; choose from {names}")
+        sparse = any(n.endswith("attn.sparse") for n in keep)  # one wrapper records every layer's, or none
+        names = [n for n in names if n in keep or (sparse and n.endswith("attn.sparse"))]
+    record_sparse = any(n.endswith("attn.sparse") for n in names)
     state_names = list(state_spec(cfg, exp.n_slots, act))
 
     class Probe(torch.nn.Module):
@@ -161,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 got.extend([q, kv, idx, sink, o])
                 return o
 
-            mm.sparse_attention = recorded
+            if record_sparse:
+                mm.sparse_attention = recorded
             try:
                 logits = self.model(tokens, start_pos, lengths, slots, dict(zip(state_names, state)))
             finally:
@@ -179,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     z = torch.zeros(1, dtype=torch.int64)
     call = (ids, z, z + T, z)
     state0 = zeros_state()
-    if args.decode:  # one token at position T; its state is what the export's own prefill leaves
-        call = (torch.from_numpy(rng.integers(2, cfg.vocab_size, size=(1, 1))), z + T, z + 1, z)
+    B = args.batch
+    if B > 1 and not args.decode:
+        raise SystemExit("--batch needs --decode")
+    if args.decode:  # one token at position T per row; its state is what the export's own prefill leaves
+        ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, size=(B, T)))
+        zb = torch.zeros(B, dtype=torch.int64)
+        call = (torch.from_numpy(rng.integers(2, cfg.vocab_size, size=(B, 1))), zb + T, zb + 1,
+                torch.arange(B, dtype=torch.int64))
     vmfb = Path(args.probe) if args.probe else work / f"probe.{tgt.name}.vmfb"
 
     if not args.probe:  # --- the probe traced as export traces (parameters by name, kernels by default)
@@ -217,13 +242,20 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4.runtime import Engine
 
         eng = Engine(args.out, device=driver)
-        eng.invoke("prefill_bs1", ids.numpy(), np.zeros(1, np.int64), np.array([T]), np.zeros(1, np.int64))
+        for b in range(B):  # padded to the export's shortest prefill, as the Engine calls it
+            tk = np.zeros((1, max(T, eng.config.prefill_min_tokens)), np.int64)
+            tk[0, :T] = ids[b].numpy()
+            eng.invoke("prefill_bs1", tk, np.zeros(1, np.int64), np.array([T]), np.array([b]))
         host = [_state_values(x) for x in eng.state]
         del eng
         state = [_device_state(mod, spec, h) for spec, h in zip(exp.state, host)]
         signed = {1: np.int8, 2: np.int16}  # torch reinterprets int8/int16 as fp8/bf16 (uint16 has no view)
         state0 = [torch.from_numpy(h.view(signed.get(h.dtype.itemsize, h.dtype)) if h.dtype.kind == "u" else h).view(dt)
                   for h, (_, dt) in zip(host, state_spec(cfg, exp.n_slots, act).values())]
+
+    if args.no_eager:
+        got = mod("probe", *[a.numpy() for a in call], *state)
+        return _report_nonfinite(names, got)
 
     # --- eager, on the mapped weights
     t0 = time.perf_counter()
@@ -241,10 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiled probe ran in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     # labels in hook order (= execution order); the gate returns (weights, indices)
-    expanded = ["logits"]
-    for n in names:
-        expanded += ([f"{n}.weights", f"{n}.indices"] if n.endswith("ffn.gate") else
-                     [f"{n}.{a}" for a in ("q", "kv", "idx", "sink", "out")] if n.endswith("attn.sparse") else [n])
+    expanded = _labels(names)
     if len(expanded) != len(want):
         raise SystemExit(f"{len(want)} outputs for {len(expanded)} labels: a hooked module ran more or less "
                          "than once")
@@ -275,6 +304,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"export": str(args.out), "tokens": T, "target": tgt.label,
                                                "eager_moe": args.eager_moe, "rows": rows}, indent=1))
+    return 0
+
+
+def _labels(names: list[str]) -> list[str]:
+    """The probe's outputs in order: the logits, then per hooked name its tensors (the gate returns
+    weights and indices; sparse attention records its inputs and output)."""
+    labels = ["logits"]
+    for n in names:
+        labels += ([f"{n}.weights", f"{n}.indices"] if n.endswith("ffn.gate") else
+                   [f"{n}.{a}" for a in ("q", "kv", "idx", "sink", "out")] if n.endswith("attn.sparse") else [n])
+    return labels
+
+
+def _report_nonfinite(names: list[str], got) -> int:
+    """--no-eager: per probe output (execution order, logits last), the rows of dim 0 that hold NaN/inf."""
+    labels = _labels(names)
+    if len(labels) != len(got):
+        raise SystemExit(f"{len(got)} outputs for {len(labels)} labels: a hooked module ran more or less than once")
+    order = list(range(1, len(got))) + [0]
+    for j in order:
+        g = np.asarray(got[j])
+        if g.dtype.kind != "f":
+            print(f"{labels[j]:32s} {str(list(g.shape)):22s} (integer) min {g.min()} max {g.max()}")
+            continue
+        bad = ~np.isfinite(g.reshape(g.shape[0], -1)) if g.ndim else ~np.isfinite(g.reshape(1, 1))
+        rows = np.flatnonzero(bad.any(1)).tolist()
+        print(f"{labels[j]:32s} {str(list(g.shape)):22s} non-finite rows {rows[:16]}"
+              f"{' ...' if len(rows) > 16 else ''} ({int(bad.sum())} values)")
     return 0
 
 
