@@ -105,3 +105,39 @@ def test_rows_with_nan_or_inf_give_minus_one() -> None:
     ids = sample(x, torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.zeros(4, dtype=torch.long), torch.ones(4),
                  torch.arange(4))
     assert ids[1] == -1 and ids[2] == -1 and ids[0] == int(x[0].argmax()) and 0 <= ids[3] < 50
+
+
+def ref_threshold(key: np.ndarray, weight: np.ndarray, need: float, bits: int) -> int:
+    """The largest t in [0, 2^bits) with sum(weight[key >= t]) >= need, by brute force over the
+    row's own keys (the sum only changes at them): 0 when even t = 0 falls short."""
+    best = 0 if weight.sum() < need else None
+    for v in np.unique(key):
+        if weight[key >= v].sum() >= need:
+            best = int(v) if best is None else max(best, int(v))
+    if need <= 0:
+        best = 2**bits - 1
+    return best
+
+
+def test_threshold_bisection_matches_brute_force() -> None:
+    """The top-k / top-p threshold search: counts (top-k: weight 1) and masses (top-p), with tied
+    keys, zero weights, and `need` at, between and beyond the steps of the sum."""
+    from dsv4.model.device_sampling import _threshold
+
+    g = np.random.default_rng(0)
+    for bits in (32, 31, 9):
+        key = g.integers(0, 2**bits, (6, 40))
+        key[:, 20:30] = key[:, :10]  # ties
+        key[5] = g.integers(0, 4, 40)  # a row of few distinct keys
+        # multiples of 1/64: every sum is exact in float32 and float64 alike, so `need` can sit exactly on a step
+        weight = (g.integers(1, 64, (6, 40)) / 64).astype(np.float32)
+        weight[:, ::7] = 0.0
+        ones = np.ones_like(weight)
+        for w in (ones, weight):
+            tot = w.sum(1)
+            need = np.stack([np.float32(0.0) * tot, np.float32(1.0) + 0 * tot, np.float32(0.5) * tot,
+                             tot, tot + 1]).astype(np.float32).T  # [6, 5]
+            for j in range(need.shape[1]):
+                got = _threshold(torch.from_numpy(key), torch.from_numpy(w), torch.from_numpy(need[:, j:j + 1]), bits)
+                want = [ref_threshold(key[r], w[r].astype(np.float64), float(need[r, j]), bits) for r in range(6)]
+                assert got[:, 0].tolist() == want, (bits, j)
