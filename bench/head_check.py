@@ -14,11 +14,11 @@ session 15).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
+import standalone  # bench/, beside this script
 
 N_HC, D, V = 4, 4096, 129280
 
@@ -50,26 +50,9 @@ def _weights(g: np.random.Generator) -> list[np.ndarray]:
 
 def build(out: Path, target: str, batches: list[int]) -> None:
     import torch
-    from iree.turbine import aot
 
-    import dsv4.export  # noqa: F401  (compat shim)
-    from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
-
-    class M(torch.nn.Module):
-        def forward(self, *a):
-            return _tail(*a)
-
-    fxb = aot.FxProgramsBuilder(M())
     w = (torch.zeros(N_HC, N_HC * D), torch.zeros(N_HC), torch.ones(1), torch.ones(D), torch.zeros(V, D, dtype=torch.bfloat16))
-    for n in batches:
-        with torch.no_grad(), use_kernels(None):
-            fxb.export_program(lambda m, *a: m(*a), name=f"tail_bs{n}", args=(torch.zeros(n, 1, N_HC, D), *w), strict=False)
-    out.mkdir(parents=True, exist_ok=True)
-    mlir = out / "head_check.mlir"
-    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
-    res = compile_mlir(mlir, target, out / f"head_check.{target.split(':')[0]}.vmfb")
-    print(f"{res.path} compiled in {res.seconds:.1f} s ({res.target})")
+    standalone.build(_tail, "tail", lambda n: (torch.zeros(n, 1, N_HC, D), *w), batches, out, "head_check", target)
 
 
 def run(out: Path, device: str, repeats: int, seed: int) -> None:
@@ -78,9 +61,7 @@ def run(out: Path, device: str, repeats: int, seed: int) -> None:
 
     g = np.random.default_rng(seed)
     host = _weights(g)
-    config = rt.Config(device)
-    vm = rt.VmModule.copy_buffer(config.vm_instance, next(out.glob("head_check.*.vmfb")).read_bytes())
-    ctx = rt.SystemContext(vm_modules=[vm], config=config)
+    config, fns = standalone.load(out, "head_check", "tail", device)
     dev_w = [rt.asdevicearray(config.device, a) for a in host[:4]]
     # bf16 has no numpy dtype the runtime knows: upload the bits, typed as bf16
     bits = np.ascontiguousarray(host[4]).view(np.uint16)
@@ -90,10 +71,8 @@ def run(out: Path, device: str, repeats: int, seed: int) -> None:
     dev_w.append(rt.DeviceArray(config.device, bv, override_dtype=np.uint16))
     tdev = "cuda" if torch.cuda.is_available() else "cpu"
     tw = [torch.from_numpy(a).to(tdev) for a in host[:4]] + [torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(tdev)]
-    names = sorted((f for f in vm.function_names if f.startswith("tail_bs") and "$" not in f), key=lambda f: int(f[7:]))
-    for fname in names:
-        n = int(fname[7:])
-        fn = ctx.modules.module[fname]
+    for n, fn in fns.items():
+        fname = f"tail_bs{n}"
         for r in range(repeats):
             h = g.standard_normal((n, 1, N_HC, D)).astype(np.float32)
             res = fn(h, *dev_w)
@@ -107,22 +86,5 @@ def run(out: Path, device: str, repeats: int, seed: int) -> None:
                   f"max rel err {err.max():.2e} (row {int(err.argmax())})", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("build", "run"))
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--target", default="cuda")
-    ap.add_argument("--batch", default="40,48,56,64")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.what == "build":
-        build(a.out, a.target, [int(b) for b in a.batch.split(",")])
-    else:
-        run(a.out, a.device, a.repeats, a.seed)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone.cli(__doc__, build, run, "40,48,56,64"))

@@ -1,7 +1,7 @@
 """The routed MoE of one decode call alone, at Flash size: compiled vs torch on the same inputs, row by row.
 
     python bench/moe_decode_check.py build OUT [--target cuda] [--batch 8,32,64]
-    python bench/moe_decode_check.py run OUT [--device cuda] [--repeats 4]      # on the GPU host
+    python bench/moe_decode_check.py run OUT [--device cuda] [--repeats 3]      # on the GPU host
 
 `build` traces `moe_experts_routed` (model/kernels/moe.py) as the exporter traces it (default kernels),
 one entry point `moe_bs{N}` per batch: x f32 [N, 4096] (cast to bf16 inside, as the model's ffn_norm
@@ -15,12 +15,12 @@ Written for the all-NaN last row of Flash-4's decode_bs64 on cuda (docs/real-siz
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import standalone  # bench/, beside this script
 
 E, D, I, K_TOP, LIMIT = 256, 4096, 2048, 6, 10.0  # Flash: 256 experts, hidden 4096, inter 2048, top-6
 
@@ -40,27 +40,11 @@ def _moe(x, weights, indices, w1, s1, w2, s2, w3, s3):
 
 def build(out: Path, target: str, batches: list[int]) -> None:
     import torch
-    from iree.turbine import aot
 
-    import dsv4.export  # noqa: F401  (compat shim)
-    from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
-
-    class M(torch.nn.Module):
-        def forward(self, *a):
-            return _moe(*a)
-
-    fxb = aot.FxProgramsBuilder(M())
     w = [torch.zeros(s, dtype=torch.uint8) for s in _shapes().values()]
-    for n in batches:
-        args = (torch.zeros(n, D), torch.zeros(n, K_TOP), torch.zeros(n, K_TOP, dtype=torch.int64), *w)
-        with torch.no_grad(), use_kernels(None):
-            fxb.export_program(lambda m, *a: m(*a), name=f"moe_bs{n}", args=args, strict=False)
-    out.mkdir(parents=True, exist_ok=True)
-    mlir = out / "moe_decode.mlir"
-    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
-    res = compile_mlir(mlir, target, out / f"moe_decode.{target.split(':')[0]}.vmfb")
-    print(f"{res.path} compiled in {res.seconds:.1f} s ({res.target})")
+    standalone.build(_moe, "moe", lambda n: (torch.zeros(n, D), torch.zeros(n, K_TOP),
+                                             torch.zeros(n, K_TOP, dtype=torch.int64), *w),
+                     batches, out, "moe_decode", target)
 
 
 def run(out: Path, device: str, repeats: int, seed: int) -> None:
@@ -72,17 +56,12 @@ def run(out: Path, device: str, repeats: int, seed: int) -> None:
     for name, shape in _shapes().items():  # any byte is two valid FP4 codes; scales 2^-9..2^-5
         host[name] = (g.integers(0, 256, shape, dtype=np.uint8) if name[0] == "w"
                       else g.integers(118, 123, shape, dtype=np.uint8))
-    config = rt.Config(device)
-    vmfb = next(out.glob("moe_decode.*.vmfb"))
-    vm = rt.VmModule.copy_buffer(config.vm_instance, vmfb.read_bytes())
-    ctx = rt.SystemContext(vm_modules=[vm], config=config)
+    config, fns = standalone.load(out, "moe_decode", "moe", device)
     dev_w = [rt.asdevicearray(config.device, host[n]) for n in _shapes()]
     tdev = "cuda" if torch.cuda.is_available() else "cpu"
     tw = [torch.from_numpy(host[n]).to(tdev) for n in _shapes()]
-    names = sorted((f for f in vm.function_names if f.startswith("moe_bs") and "$" not in f), key=lambda f: int(f[6:]))
-    for fname in names:
-        n = int(fname[6:])
-        fn = ctx.modules.module[fname]
+    for n, fn in fns.items():
+        fname = f"moe_bs{n}"
         for r in range(repeats):
             x = (g.standard_normal((n, D)) * 0.5).astype(np.float32)
             idx = np.stack([g.choice(E, K_TOP, replace=False) for _ in range(n)]).astype(np.int64)
@@ -100,22 +79,5 @@ def run(out: Path, device: str, repeats: int, seed: int) -> None:
                   f"rows with rel err > 0.1: {[k for k in range(n) if not err[k] <= 0.1]} ({ms:.1f} ms)", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("build", "run"))
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--target", default="cuda")
-    ap.add_argument("--batch", default="8,32,64")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.what == "build":
-        build(a.out, a.target, [int(b) for b in a.batch.split(",")])
-    else:
-        run(a.out, a.device, a.repeats, a.seed)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone.cli(__doc__, build, run, "8,32,64"))
