@@ -4,12 +4,19 @@ them) hold NaN/inf.
 
     python bench/nonfinite_probe.py OUT [--device cuda] [--tokens 128] [--steps 3]
     python bench/nonfinite_probe.py OUT --requests 64 [--tokens 16] [--steps 3] [--seed 0]
+    python bench/nonfinite_probe.py OUT --zero-state [--positions 1,16,200]
 
 The second form runs N requests together through the Engine (each prefilled alone, then decoded
 in one decode_bs{N} call per step) and prints the first non-finite row the engine refuses (its
 EngineError names the function, row, slot and position) or that every step was finite. Session
 14 found with it (by hand) that Flash --layers 4 on cuda returns an all-NaN last row from
 decode_bs64 for some prompts (docs/real-size.md).
+
+The third form needs no prompt: for every exported decode batch size N and each position, a fresh
+(zero) state and one decode_bs{N} call with token 5 in every row; it prints the rows whose logits are
+not all finite. Identical rows must give identical logits, so any such row is a fault of the build.
+Session 15: decode_bs40's last row on cuda at every position from 1, decode_bs64's at some, none on
+llvm-cpu (docs/real-size.md).
 
 Session 11 found with it (Flash --layers 4, bf16, cuda): the prefill of 128 tokens is finite, the
 first decode step (position 128) returns all-NaN logits while every state tensor stays finite, so
@@ -32,9 +39,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=0, help="N requests through the Engine (the second form)")
+    ap.add_argument("--zero-state", action="store_true", help="decode calls from a fresh state (the third form)")
+    ap.add_argument("--positions", default="1,16,200", help="with --zero-state: the positions to decode at")
     a = ap.parse_args()
     if a.requests:
         return engine_requests(a)
+    if a.zero_state:
+        return zero_state(a)
 
     from bisect_modules import host_copy  # bench/, beside this script
 
@@ -86,6 +97,22 @@ def engine_requests(a: argparse.Namespace) -> None:
         print(f"{a.requests} requests of {a.tokens} tokens, {a.steps} decode steps: every row finite")
     except EngineError as e:
         print(f"{a.requests} requests of {a.tokens} tokens, engine step {step}: {e}")
+
+
+def zero_state(a: argparse.Namespace) -> None:
+    from dsv4.runtime import Engine
+
+    eng = Engine(a.out, device=a.device)
+    cfg = eng.config
+    for n in cfg.decode_batch_sizes:
+        bad = {}
+        for p in (int(x) for x in a.positions.split(",")):
+            eng.state = [eng.module.zeros(s) for s in cfg.state]
+            logits, argmax = eng.invoke(f"decode_bs{n}", np.full((n, 1), 5, np.int64), np.full(n, p, np.int64),
+                                        np.ones(n, np.int64), np.arange(n, dtype=np.int64) % cfg.n_slots)
+            lg = np.array(logits.to_host(), np.float32, copy=True).reshape(n, -1)
+            bad[p] = [k for k in range(n) if not np.isfinite(lg[k]).all()]
+        print(f"decode_bs{n}, zero state, token 5 in every row: non-finite rows per position {bad}", flush=True)
 
 
 if __name__ == "__main__":
