@@ -14,7 +14,8 @@ decode_bs64 for some prompts (docs/real-size.md).
 
 The third form needs no prompt: for every exported decode batch size N and each position, a fresh
 (zero) state and one decode_bs{N} call with token 5 in every row; it prints the rows whose logits are
-not all finite. Identical rows must give identical logits, so any such row is a fault of the build.
+not all finite, and the finite rows whose logits differ from the first finite row. Identical rows must
+give identical logits, so any such row is a fault of the build.
 Session 15: decode_bs40's last row on cuda at every position from 1, decode_bs64's at some, none on
 llvm-cpu (docs/real-size.md).
 
@@ -105,14 +106,23 @@ def zero_state(a: argparse.Namespace) -> None:
     eng = Engine(a.out, device=a.device)
     cfg = eng.config
     for n in cfg.decode_batch_sizes:
-        bad = {}
+        bad, differ = {}, {}
         for p in (int(x) for x in a.positions.split(",")):
             eng.state = [eng.module.zeros(s) for s in cfg.state]
             logits, argmax = eng.invoke(f"decode_bs{n}", np.full((n, 1), 5, np.int64), np.full(n, p, np.int64),
                                         np.ones(n, np.int64), np.arange(n, dtype=np.int64) % cfg.n_slots)
             lg = np.array(logits.to_host(), np.float32, copy=True).reshape(n, -1)
             bad[p] = [k for k in range(n) if not np.isfinite(lg[k]).all()]
-        print(f"decode_bs{n}, zero state, token 5 in every row: non-finite rows per position {bad}", flush=True)
+            # identical rows in one call must give identical bits: a finite row that differs from
+            # row 0 is a silent fault of the same kind
+            ref = next((k for k in range(n) if k not in bad[p]), None)
+            if ref is not None:
+                diff = {k: float(np.abs(lg[k] - lg[ref]).max()) for k in range(n) if k not in bad[p]}
+                odd = {k: d for k, d in diff.items() if d > 0}
+                if odd:
+                    differ[p] = odd
+        print(f"decode_bs{n}, zero state, token 5 in every row: non-finite rows per position {bad}; "
+              f"finite rows that differ from the first finite row (max abs diff): {differ or 'none'}", flush=True)
 
 
 if __name__ == "__main__":
