@@ -359,7 +359,8 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
 def test_routed_experts_read_in_place_only_for_cpu_exports():
     """llvm-cpu-only exports read the routed experts in place (no per-block weight copy); an export
     with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
-    every reduction); explicit choices and '*' are left alone."""
+    every reduction); a GPU-only export takes the sparse attention kernel; explicit choices and '*' are
+    left alone."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import _default_kernels
 
@@ -368,6 +369,13 @@ def test_routed_experts_read_in_place_only_for_cpu_exports():
     assert _default_kernels(None, [cpu, cuda]) == {}
     assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu]) == {"mxfp4_linear_gathered": "reference"}
     assert _default_kernels({"*": "reference"}, [cpu]) == {"*": "reference"}
+    # GPU-only: the sparse attention kernel (the reference's cuda lowering made NaN rows); a user's
+    # choice wins; an export that also serves llvm-cpu keeps the reference
+    gfx = check_target("gfx942")
+    assert _default_kernels(None, [cuda]) == {"sparse_attention": "kernel"}
+    assert _default_kernels(None, [gfx, cuda]) == {"sparse_attention": "kernel"}
+    assert _default_kernels({"sparse_attention": "reference"}, [cuda]) == {"sparse_attention": "reference"}
+    assert _default_kernels({"*": "reference"}, [cuda]) == {"*": "reference"}
 
 
 def test_batch_invariant_export_pads_the_gemm_rows():
