@@ -47,7 +47,9 @@ def kernel_help() -> str:
         default = mk.KERNELS[name].export
         lines.append(f"{name}={'|'.join(op.impl_names)} (export: {default})")
     return ("lowering of a hot spot; repeatable, '*=kernel' for every op that has one. "
-            "Ops: " + "; ".join(lines))
+            "Ops: " + "; ".join(lines) + ". Per target (export/exporter.py _default_kernels): an llvm-cpu-only "
+            "export takes mxfp4_linear_gathered=kernel, a GPU-only one sparse_attention=kernel (not with "
+            "--batch-invariant, which takes the GEMMs' kernel_rows16)")
 
 
 @contextlib.contextmanager
