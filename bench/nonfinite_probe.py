@@ -114,7 +114,7 @@ def zero_state(a: argparse.Namespace) -> None:
             lg = np.array(logits.to_host(), np.float32, copy=True).reshape(n, -1)
             bad[p] = [k for k in range(n) if not np.isfinite(lg[k]).all()]
             # identical rows in one call must give identical bits: a finite row that differs from
-            # row 0 is a silent fault of the same kind
+            # the first finite one is a silent fault of the same kind
             ref = next((k for k in range(n) if k not in bad[p]), None)
             if ref is not None:
                 diff = {k: float(np.abs(lg[k] - lg[ref]).max()) for k in range(n) if k not in bad[p]}

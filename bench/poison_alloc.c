@@ -40,7 +40,6 @@ void *memalign(size_t a, size_t n) {
   if (!real) real = dlsym(RTLD_NEXT, "memalign");
   void *p = real(a, n); fill(p, n); return p;
 }
-#include <link.h>
 // calloc too, but only for the IREE runtime's own large allocations (its heap buffers come zeroed
 // from calloc, which would hide a read of memory the program never wrote).
 void *calloc(size_t k, size_t n) {

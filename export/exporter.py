@@ -214,9 +214,10 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     A GPU-only export without `batch_invariant` takes sparse_attention=kernel (comment below)."""
     out = dict(kernels or {})
     cpu_only = all(t.name == "llvm-cpu" for t in tgts)
+    serves_cpu = any(t.name == "llvm-cpu" for t in tgts)
     if "*" not in out and cpu_only:
         out.setdefault("mxfp4_linear_gathered", "kernel")
-    if "*" not in out and not batch_invariant and not any(t.name == "llvm-cpu" for t in tgts):
+    if "*" not in out and not batch_invariant and not serves_cpu:
         # GPU-only exports: sparse attention as its linalg kernel. The reference's lowering (IREE fusing
         # the torch gather and einsums) returned NaN rows from Flash's first HCA layer on cuda in some
         # builds (the last row of decode_bs40/48/64; session 12: two columns of every head), and no
@@ -226,7 +227,7 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
         # measured with the reference's merged (b, t) rows), and so does --batch-invariant.
         out.setdefault("sparse_attention", "kernel")
     if batch_invariant and not cpu_only:
-        if any(t.name == "llvm-cpu" for t in tgts):
+        if serves_cpu:
             raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
                               "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
                               "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
