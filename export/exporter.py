@@ -211,27 +211,23 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     GEMM schedule for every decode batch size (docs/batch-invariance.md). llvm-cpu is batch-invariant
     without them and not with them (its decode_bs16 then rounds differently from decode_bs1), so an
     llvm-cpu-only export ignores the flag and one mixing llvm-cpu with a GPU target is refused.
-    A GPU-only export without `batch_invariant` takes sparse_attention=kernel (comment below)."""
+    Sparse attention lowers as its kernel (the op's declared export default, model/kernels/
+    sparse_attention.py) except in a GPU export with `batch_invariant` (comment below)."""
     out = dict(kernels or {})
     cpu_only = all(t.name == "llvm-cpu" for t in tgts)
     serves_cpu = any(t.name == "llvm-cpu" for t in tgts)
     if "*" not in out and cpu_only:
         out.setdefault("mxfp4_linear_gathered", "kernel")
-    if "*" not in out and not batch_invariant and not serves_cpu:
-        # GPU-only exports: sparse attention as its linalg kernel. The reference's lowering (IREE fusing
-        # the torch gather and einsums) returned NaN rows from Flash's first HCA layer on cuda in some
-        # builds (the last row of decode_bs40/48/64; session 12: two columns of every head), and no
-        # build with the kernel did (docs/real-size.md, sessions 12 and 16). It costs decode time on the
-        # H200 (Flash-4: +1.2 ms at batch 1, +3-4 % at 8-64; docs/performance.md). An export that also serves
-        # llvm-cpu keeps the reference (llvm-cpu never showed the NaN, and its batch invariance was
-        # measured with the reference's merged (b, t) rows), and so does --batch-invariant.
-        out.setdefault("sparse_attention", "kernel")
     if batch_invariant and not cpu_only:
         if serves_cpu:
             raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
                               "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
                               "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
                               "batch-invariant by default) and the GPU target(s) separately with it")
+        if "*" not in out:
+            # cuda's batch invariance was measured with the reference's merged (b, t) rows; the kernel
+            # keeps b and t apart and has not been measured there yet (docs/batch-invariance.md)
+            out.setdefault("sparse_attention", "reference")
         from .model_kernels import MODEL_OPS
 
         for name, op in MODEL_OPS.items():

@@ -356,24 +356,22 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
     assert "kernel op 'moe_experts' has no implementation 'kernel'" in capsys.readouterr().err
 
 
-def test_routed_experts_read_in_place_only_for_cpu_exports():
+def test_default_kernel_choices_per_target_set():
     """llvm-cpu-only exports read the routed experts in place (no per-block weight copy); an export
     with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
-    every reduction); a GPU-only export takes the sparse attention kernel; explicit choices and '*' are
-    left alone."""
+    every reduction). Sparse attention's declared export lowering is its kernel (the reference's cuda
+    lowering made NaN rows at Flash dimensions); explicit choices and '*' are left alone."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import _default_kernels
+    from dsv4.export.model_kernels import resolve_choices
 
-    cpu, cuda = check_target("llvm-cpu"), check_target("cuda")
+    cpu, cuda, gfx = check_target("llvm-cpu"), check_target("cuda"), check_target("gfx942")
     assert _default_kernels(None, [cpu]) == {"mxfp4_linear_gathered": "kernel"}
+    for tgts in ([cpu], [cpu, cuda], [cpu, gfx], [cuda], [gfx, cuda]):  # [cpu, gfx]: the main job's export
+        assert resolve_choices(_default_kernels(None, tgts))["sparse_attention"] == "kernel"
     assert _default_kernels(None, [cpu, cuda]) == {}
     assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu]) == {"mxfp4_linear_gathered": "reference"}
     assert _default_kernels({"*": "reference"}, [cpu]) == {"*": "reference"}
-    # GPU-only: the sparse attention kernel (the reference's cuda lowering made NaN rows); a user's
-    # choice wins; an export that also serves llvm-cpu keeps the reference
-    gfx = check_target("gfx942")
-    assert _default_kernels(None, [cuda]) == {"sparse_attention": "kernel"}
-    assert _default_kernels(None, [gfx, cuda]) == {"sparse_attention": "kernel"}
     assert _default_kernels({"sparse_attention": "reference"}, [cuda]) == {"sparse_attention": "reference"}
     assert _default_kernels({"*": "reference"}, [cuda]) == {"*": "reference"}
 
@@ -387,7 +385,7 @@ def test_batch_invariant_export_pads_the_gemm_rows():
     cuda = check_target("cuda")
     assert _default_kernels(None, [cuda], batch_invariant=True) == {
         "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
-        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}
+        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "sparse_attention": "reference"}
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,

@@ -14,12 +14,19 @@ from . import kernel
 
 _F = (torch.float32, torch.bfloat16)
 
+# Exports lower this op as its MLIR kernel. The traced reference's lowering (IREE fusing the gather and
+# einsums below) returned NaN rows from Flash's first HCA layer on cuda in some builds (the last row of
+# decode_bs40/48/64), and no build with the kernel did (docs/real-size.md, sessions 12 and 16). It costs
+# the H200 decode time (Flash-4: +1.2 ms at batch 1, +3-4 % at 8-64; docs/performance.md); on llvm-cpu
+# it is as fast (embedded default, docs/performance.md session 17). A GPU export with --batch-invariant
+# keeps the reference (export/exporter.py _default_kernels).
+
 
 @kernel("sparse_attention",
         args={"q": "B, T, H, D", "kv": "B, N, D", "idx": "B, T, K", "sink": "H", "scale": float},
         results={"out": "B, T, H, D"}, static=("H", "D"),
         dtypes={"q": _F, "kv": _F, "idx": (torch.int64,), "sink": (torch.float32,)},
-        mlir="sparse_attention.mlir.jinja")
+        mlir="sparse_attention.mlir.jinja", export="kernel")
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""
