@@ -77,6 +77,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("--quant-sim", choices=("on", "off"), default=None,
                    help="the reference's FP8/FP4 QAT simulations (default: the config's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation/state dtype (default: bf16)")
+    p.add_argument("--expert-dtype", choices=("fp8",), default=None,
+                   help="fp8: the MXFP4 routed experts re-encoded as FP8 with 128x128 block scales, exactly (a "
+                        "checkpoint value that would round is refused), so their prefill GEMMs run FP8 x FP8 on "
+                        "the matrix cores (gfx942 has no FP4 ones); costs 1.88x the expert bytes a decode step reads")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed for --preset (default: 0)")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="keep the first N layers (and the MTP blocks): real dimensions at a fraction of the size")
@@ -176,13 +180,18 @@ def cmd_export(args: argparse.Namespace) -> int:
             tokenizer = tok if tok.is_file() else None
             log(f"checkpoint {ckpt}" + ("" if args.checkpoint else " (the embedded default)") +
                 (": config only (--no-weights)" if args.no_weights else ": tensors streamed into the .irpa shards"))
-            model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides, weights=False, layers=args.layers)
+            model = load_checkpoint(ckpt, dtype=dtype, overrides=overrides, weights=False, layers=args.layers,
+                                    expert_dtype=args.expert_dtype)
             weights = None if args.no_weights else (lambda specs, fp8: checkpoint_tensors(ckpt, model, fp8))
         else:
             from dsv4.runtime.random_weights import random_tensors
 
             cfg = ModelConfig.preset(args.preset, **overrides)
             cfg = cfg if args.layers is None else cfg.first_layers(args.layers)
+            if args.expert_dtype:
+                if cfg.expert_dtype not in ("fp4", "fp8"):
+                    raise ValueError(f"--expert-dtype {args.expert_dtype}: preset {args.preset} has float experts")
+                cfg = cfg.replace(expert_dtype=args.expert_dtype)  # random weights are drawn in that format
             model = empty_model(cfg, dtype)
             if args.no_weights:
                 log(f"preset {args.preset}: no weights (--no-weights)")

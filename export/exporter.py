@@ -607,7 +607,8 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                 log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
                 vmfbs.append(vmfb.name)
                 flags_used, seconds = res.flags, seconds + res.seconds
-            info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver}
+            info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
+                    "kernels": resolve_choices(kernels)}  # each hot spot's lowering in this vmfb
             if pipeline:
                 info["stages"] = vmfbs
             if suffix:  # this group's own weight files: the inventory with its FP8 dtype

@@ -135,6 +135,8 @@ def test_config_abi(art):
     assert set(c["targets"]) == {"llvm-cpu", "gfx942"}
     for t in c["targets"].values():
         assert (art["dir"] / t["vmfb"]).is_file() and t["compile_s"] > 0 and t["flags"]
+        # every hot spot's lowering is on record; both targets share one: the sparse attention kernel
+        assert t["kernels"]["sparse_attention"] == "kernel" and t["kernels"]["topk"] == "radix"
     code = art["module"]("export_id")
     assert bytes(np.asarray(code, dtype=np.uint8)).decode() == c["export_id"]
     assert ModelConfig.from_dict(c["model"]) == tiny_cfg()

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from dsv4.runtime.artifact import FP8_DTYPES, PARAM_PREFIX
 
 from ..config import ConfigError, ModelConfig
-from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode
+from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode, mxfp4_to_fp8
 from ..model import Transformer
 from .common import CheckpointError, no_param_init as _no_param_init
 from .inventory import Checkpoint, Entry, open_checkpoint
@@ -158,6 +158,9 @@ class _Planner:
     def weight(self, name: str, target: _Slot, target_scale: _Slot | None) -> None:
         """A linear / expert weight `X.weight` with its `X.scale` (if the checkpoint or model has one)."""
         sname = name[: -len("weight")] + "scale"
+        stored = self.entries.get(name)
+        if target.dtype in _FP8_DT and target_scale is not None and stored is not None and stored.dtype in _PACKED_ST:
+            return self._mxfp4_as_fp8(name, sname, target, target_scale)
         if target.dtype in _FP8_DT or target.dtype == torch.uint8:
             if target_scale is None:
                 raise TypeError(f"{name}: a {target.dtype} model weight without its scale parameter")
@@ -215,6 +218,34 @@ class _Planner:
                                     lambda ts, out: self._dequant(name, sname, ts, target.of(out), "mxfp4")))
         else:
             self._dtype(name, e, {"F8_E4M3", "I8", "U8"}, "a quantized weight (it has a scale)")
+
+    def _mxfp4_as_fp8(self, name: str, sname: str, target: _Slot, target_scale: _Slot) -> None:
+        """A stored MXFP4 weight into an FP8 model weight (a model built with expert_dtype "fp8" from an
+        MXFP4 checkpoint: `load_checkpoint(expert_dtype="fp8")`): re-encoded per 128x128 block by
+        formats.mxfp4_to_fp8, exactly or not at all (a value problem naming the tensor)."""
+        n, k = target.shape
+        e = self._get(name, f"I8 {[n, k // 2]}")
+        s = self._get(sname, f"F8_E8M0 {[n, k // MXFP4_BLOCK]}")
+        if e is None or s is None:
+            return
+        ok = self._shape(name, e, (n, k // 2)) & self._shape(sname, s, (n, k // MXFP4_BLOCK))
+        if not (ok & self._dtype(sname, s, {"F8_E8M0"}, "MXFP4 E8M0 scales")):
+            return
+
+        def run(ts: list[torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+            w, sc = ts
+            b = sc.view(torch.uint8)
+            self._check_e8m0(sname, b)
+            try:
+                w8, s8 = mxfp4_to_fp8(w.view(torch.uint8), b, strict=True)
+            except ValueError as err:
+                self._bad(name, f"cannot be re-encoded as FP8 exactly ({err})")
+                return
+            target.of(out).copy_(w8)
+            t = target_scale.of(out)
+            t.copy_(s8 if t.dtype == torch.uint8 else e8m0_decode(s8))
+
+        self.ops.append(_Op(target.name, (target.name, target_scale.name), [(name, e), (sname, s)], run))
 
     # ---- data movers -----------------------------------------------------------------------
     def _copy_scale(self, sname: str, sc: torch.Tensor, target: torch.Tensor) -> None:
@@ -416,7 +447,8 @@ def _storage_formats(ckpt: Checkpoint) -> tuple[str | None, str | None, str | No
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, quantized: bool | None = None,
                     mtp: bool | None = None, overrides: dict[str, Any] | None = None, check_values: bool = True,
-                    progress: bool | None = None, weights: bool = True, layers: int | None = None) -> Transformer:
+                    progress: bool | None = None, weights: bool = True, layers: int | None = None,
+                    expert_dtype: str | None = None) -> Transformer:
     """Build a Transformer from a checkpoint directory and load its weights.
 
     quantized: None keeps the stored formats (FP8 linears / MXFP4 or FP8 experts stay low-bit, float
@@ -427,8 +459,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     overrides: ModelConfig fields that are ours, not the checkpoint's (max_seq_len, quant_sim, ...).
     weights=False: the model as it would be loaded, but with unwritten parameters (`empty_model`), for
     an export that streams the tensors with `checkpoint_tensors`; layers=N keeps the first N layers
-    (ModelConfig.first_layers).
+    (ModelConfig.first_layers). expert_dtype="fp8" re-encodes MXFP4 experts as FP8 block weights,
+    exactly (formats.mxfp4_to_fp8; a value that would round is a CheckpointError): what gfx942's FP8
+    matrix cores multiply; FP8 experts stay as they are.
     """
+    if expert_dtype not in (None, "fp8"):
+        raise ValueError(f"expert_dtype: only 'fp8' (re-encode MXFP4 experts) is supported, got {expert_dtype!r}")
     ckpt = open_checkpoint(path)
     try:
         cfg = ModelConfig.from_checkpoint(ckpt.config, **(overrides or {}))
@@ -441,6 +477,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         cfg = cfg.replace(num_nextn_predict_layers=0, compress_ratios=cfg.compress_ratios[:cfg.n_layers])
     lin, scale_fmt, exp = _storage_formats(ckpt)
     if quantized is False:
+        if expert_dtype:
+            raise ValueError("expert_dtype: a model loaded with quantized=False holds float experts")
         model_quantized = False
     else:
         if quantized and lin is None and exp is None:
@@ -454,7 +492,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
             warnings.warn(f"{ckpt.path}: config.json declares linears {'fp8' if declared[0] else 'float'} / experts "
                           f"{declared[1] or 'float'} but the tensors are {lin or 'float'} / {exp or 'float'}; "
                           "following the tensors", stacklevel=2)
-        cfg = cfg.replace(quantization_config=qc, expert_dtype=exp)
+        if expert_dtype and exp not in ("fp4", "fp8"):
+            raise CheckpointError(ckpt.path, [f"expert_dtype: the experts are stored as {exp or 'float'} "
+                                              f"tensors; only MXFP4 experts can be re-encoded as {expert_dtype}"])
+        cfg = cfg.replace(quantization_config=qc, expert_dtype=expert_dtype or exp)
         model_quantized = bool(lin or exp)
     if layers is not None:
         cfg = cfg.first_layers(layers)
