@@ -39,6 +39,7 @@ from dsv4.model.kernels.linear import (
     fp8_act_qdq,
     fp8_block_linear,
     fp8_block_linear_stacked,
+    gathered_linear,
     mxfp4_linear,
     mxfp4_linear_gathered,
     mxfp4_linear_stacked,
@@ -322,12 +323,15 @@ def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):
     """The default FP8 kernel picks its GEMM by whether the trace knows the rows: any static row count
     (a decode entry point, at every batch size: decode must stay batch-invariant) gets the dequantized
     GEMM (bf16 operands) in its own specialization, a dynamic row count (prefill) the FP8 x FP8 GEMM;
-    kernel_f32 / kernel_fp8 force one form."""
+    the stacked kernel's rows count as known only when its E is too (routed blocks have 16 static rows
+    each, but a prefill's block count is dynamic); kernel_f32 / kernel_fp8 force one form."""
     from iree.turbine import aot
 
     w, s = _fp8_weight(256, 256, nan=False), torch.full((2, 2), 120, dtype=torch.uint8)
     ws, ss = torch.stack([w, w]), torch.stack([s, s])
-    mods = nn.ModuleDict({"lin": _Fn(fp8_block_linear, w, s), "st": _Fn(fp8_block_linear_stacked, ws, ss)})
+    # "gat": a routed prefill's expert blocks (gathered_linear): 16 static rows per block, the blocks dynamic
+    gat = _Fn(lambda x, w, s: gathered_linear(x, w, s, torch.zeros(x.shape[0], dtype=torch.int64)), ws, ss)
+    mods = nn.ModuleDict({"lin": _Fn(fp8_block_linear, w, s), "st": _Fn(fp8_block_linear_stacked, ws, ss), "gat": gat})
     aot.externalize_module_parameters(mods, external_scope="model")
     fxb = aot.FxProgramsBuilder(mods)
     T = torch.export.Dim("T", min=2, max=64)
@@ -337,6 +341,8 @@ def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):
         "dynamic": ("lin", torch.zeros(1, 5, 256), 1, "kernel", True),
         "stacked3": ("st", torch.zeros(2, 3, 256), None, "kernel", False),
         "stacked_dyn": ("st", torch.zeros(2, 5, 256), 1, "kernel", True),
+        "blocks16": ("gat", torch.zeros(3, 16, 256), None, "kernel", False),  # decode: the block count is static
+        "blocks_dyn": ("gat", torch.zeros(3, 16, 256), 0, "kernel", True),  # prefill: it is not
         "forced_fp8": ("lin", torch.zeros(1, 1, 256), None, "kernel_fp8", True),
         "forced_f32": ("lin", torch.zeros(1, 5, 256), 1, "kernel_f32", False),
     }

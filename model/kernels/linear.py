@@ -180,7 +180,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("M",), export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
