@@ -536,7 +536,8 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
 
     export_id = new_export_id()
     timings: dict[str, float] = {}
-    gathered_kernel = resolve_choices(kernels)["mxfp4_linear_gathered"] == "kernel"
+    choices = resolve_choices(kernels)  # each hot spot's lowering, recorded per target in config.json
+    gathered_kernel = choices["mxfp4_linear_gathered"] == "kernel"
     # the modules to build: the whole model (over `devices` HAL devices), or one per pipeline stage,
     # each as (model or Stage, its state spec, its name in the files, its name in config.json's state)
     if pipeline:
@@ -608,7 +609,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                 vmfbs.append(vmfb.name)
                 flags_used, seconds = res.flags, seconds + res.seconds
             info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
-                    "kernels": resolve_choices(kernels)}  # each hot spot's lowering in this vmfb
+                    "kernels": choices}
             if pipeline:
                 info["stages"] = vmfbs
             if suffix:  # this group's own weight files: the inventory with its FP8 dtype

@@ -2,7 +2,8 @@
 --expert-dtype fp8`): the weights keep their values exactly (formats.mxfp4_to_fp8, strict), so the
 model computes the same function (both expert forms quantize the activation to e4m3 per 128-block and
 dequantize the weight exactly; only fp32 summation order differs), and a block that cannot be
-re-encoded exactly is refused by name. The export runs on llvm-cpu against the eager MXFP4 model."""
+re-encoded exactly is refused by name. The re-encoded llvm-cpu export runs against the export of the
+checkpoint as stored."""
 
 from __future__ import annotations
 
