@@ -201,12 +201,25 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
 ROW_TILED = "kernel_rows16"
 
 
-def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], batch_invariant: bool = False
-                     ) -> dict[str, str]:
+# an llvm-cpu-only export reads the routed experts in place when one layer's routed experts would take
+# more than this in f32 (the gather's copy is about that large per prefill call); below it the gather
+# is faster (docs/performance.md, session 17: 2x llvm-cpu prefill on the embedded default)
+GATHER_COPY_LIMIT = 1 << 30
+
+
+def routed_f32_bytes(cfg) -> int:
+    """One layer's routed expert weights (w1, w3, w2) in f32: what gathering them before the GEMM copies."""
+    return 4 * 3 * cfg.n_routed_experts * cfg.moe_intermediate_size * cfg.hidden_size
+
+
+def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], batch_invariant: bool = False,
+                     routed_bytes: int = GATHER_COPY_LIMIT + 1) -> dict[str, str]:
     """The user's --kernel choices, plus: an export for llvm-cpu only reads the routed experts in place
-    (mxfp4_linear_gathered=kernel; gathering first makes IREE write an f32 copy of every routed block's
-    weights, 27 GB per Flash layer for a 100-token prefill). GPU targets keep the gather: their
-    compile of that kernel needs a flag that changes every reduction (export/compile.py).
+    (mxfp4_linear_gathered=kernel) when `routed_bytes` (routed_f32_bytes) exceeds GATHER_COPY_LIMIT:
+    gathering first makes IREE write an f32 copy of every routed block's weights, 27 GB per Flash
+    layer for a 100-token prefill, while at the embedded default's size the gather is 2x faster. GPU
+    targets keep the gather: their compile of that kernel needs a flag that changes every reduction
+    (export/compile.py).
     `batch_invariant`: the GEMMs pad their rows to a 16-row tile (kernel_rows16), so a GPU runs one
     GEMM schedule for every decode batch size (docs/batch-invariance.md). llvm-cpu is batch-invariant
     without them and not with them (its decode_bs16 then rounds differently from decode_bs1), so an
@@ -216,7 +229,7 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     out = dict(kernels or {})
     cpu_only = all(t.name == "llvm-cpu" for t in tgts)
     serves_cpu = any(t.name == "llvm-cpu" for t in tgts)
-    if "*" not in out and cpu_only:
+    if "*" not in out and cpu_only and routed_bytes > GATHER_COPY_LIMIT:
         out.setdefault("mxfp4_linear_gathered", "kernel")
     if batch_invariant and not cpu_only:
         if serves_cpu:
@@ -503,7 +516,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     act = model.dtype
     if act not in STATE_DTYPE_NAMES:
         raise ExportError("validate", f"unsupported activation dtype {act}")
-    picked = _default_kernels(kernels, tgts, batch_invariant)
+    picked = _default_kernels(kernels, tgts, batch_invariant, routed_f32_bytes(cfg))
     out = Path(out_dir)
     try:
         check_out_dir(out, force=force)

@@ -48,7 +48,8 @@ def kernel_help() -> str:
         lines.append(f"{name}={'|'.join(op.impl_names)} (export: {default})")
     return ("lowering of a hot spot; repeatable, '*=kernel' for every op that has one. "
             "Ops: " + "; ".join(lines) + ". Per target (export/exporter.py _default_kernels): an llvm-cpu-only "
-            "export takes mxfp4_linear_gathered=kernel; a GPU export with --batch-invariant takes the GEMMs' "
+            "export of a model whose routed experts pass 1 GiB a layer in f32 (Flash, Pro) takes "
+            "mxfp4_linear_gathered=kernel; a GPU export with --batch-invariant takes the GEMMs' "
             "kernel_rows16 and sparse_attention=reference")
 
 

@@ -359,15 +359,24 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
 
 
 def test_default_kernel_choices_per_target_set():
-    """llvm-cpu-only exports read the routed experts in place (no per-block weight copy); an export
+    """llvm-cpu-only exports read the routed experts in place (no per-block weight copy) when one
+    layer's experts in f32 pass GATHER_COPY_LIMIT (Flash, not the embedded default); an export
     with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
     every reduction). Sparse attention's declared export lowering is its kernel (the reference's cuda
     lowering made NaN rows at Flash dimensions); explicit choices and '*' are left alone."""
     from dsv4.export.compile import check_target
-    from dsv4.export.exporter import _default_kernels
+    from dsv4.export.exporter import GATHER_COPY_LIMIT, _default_kernels, routed_f32_bytes
     from dsv4.export.model_kernels import resolve_choices
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+    from dsv4.model.config import ModelConfig
 
     cpu, cuda, gfx = check_target("llvm-cpu"), check_target("cuda"), check_target("gfx942")
+    flash = ModelConfig.preset("flash")
+    assert routed_f32_bytes(flash) == 4 * 3 * 256 * 2048 * 4096  # 25.8 GB a layer
+    small = load_checkpoint(EMBEDDED_CHECKPOINT, weights=False).cfg
+    assert routed_f32_bytes(small) < GATHER_COPY_LIMIT < routed_f32_bytes(flash)
+    assert _default_kernels(None, [cpu], routed_bytes=routed_f32_bytes(flash)) == {"mxfp4_linear_gathered": "kernel"}
+    assert _default_kernels(None, [cpu], routed_bytes=routed_f32_bytes(small)) == {}
     assert _default_kernels(None, [cpu]) == {"mxfp4_linear_gathered": "kernel"}
     for tgts in ([cpu], [cpu, cuda], [cpu, gfx], [cuda], [gfx, cuda]):  # [cpu, gfx]: the main job's export
         assert resolve_choices(_default_kernels(None, tgts))["sparse_attention"] == "kernel"
