@@ -224,8 +224,8 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
     GEMM schedule for every decode batch size (docs/batch-invariance.md). llvm-cpu is batch-invariant
     without them and not with them (its decode_bs16 then rounds differently from decode_bs1), so an
     llvm-cpu-only export ignores the flag and one mixing llvm-cpu with a GPU target is refused.
-    Sparse attention lowers as its kernel (the op's declared export default, model/kernels/
-    sparse_attention.py) except in a GPU export with `batch_invariant` (comment below)."""
+    Sparse attention lowers as its kernel everywhere (the op's declared export default, model/kernels/
+    sparse_attention.py; with `batch_invariant` too: bitwise across cuda batch sizes, session 18)."""
     out = dict(kernels or {})
     cpu_only = all(t.name == "llvm-cpu" for t in tgts)
     serves_cpu = any(t.name == "llvm-cpu" for t in tgts)
@@ -237,10 +237,6 @@ def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], bat
                               "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
                               "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
                               "batch-invariant by default) and the GPU target(s) separately with it")
-        if "*" not in out:
-            # cuda's batch invariance was measured with the reference's merged (b, t) rows; the kernel
-            # keeps b and t apart and has not been measured there yet (docs/batch-invariance.md)
-            out.setdefault("sparse_attention", "reference")
         from .model_kernels import MODEL_OPS
 
         for name, op in MODEL_OPS.items():

@@ -50,7 +50,7 @@ def kernel_help() -> str:
             "Ops: " + "; ".join(lines) + ". Per target (export/exporter.py _default_kernels): an llvm-cpu-only "
             "export of a model whose routed experts pass 1 GiB a layer in f32 (Flash, Pro) takes "
             "mxfp4_linear_gathered=kernel; a GPU export with --batch-invariant takes the GEMMs' "
-            "kernel_rows16 and sparse_attention=reference")
+            "kernel_rows16")
 
 
 @contextlib.contextmanager
