@@ -10,10 +10,11 @@ stay on the device, the host sends five numbers per row and reads one id back.
 
 Row by row, the filters of the host sampler (runtime/sampling.py), with no sort:
 - temperature 0: the first argmax (greedy);
-- top-k: the k-th largest scaled logit, bisected bit by bit over its order key (32 rounds of one
-  count each, exact: the threshold is one of the row's own values); every token at or above it kept;
+- top-k: the k-th largest scaled logit, searched RADIX_BITS bits at a time over its order key (each
+  round counts the tokens at or above every candidate digit at once; exact: the threshold is one of
+  the row's own values); every token at or above it kept;
 - top-p: the largest probability threshold whose kept mass still reaches top_p of the top-k mass
-  (31 rounds: probabilities are non-negative, so their order keys fit in 31 bits);
+  (the same search over 31 bits: probabilities are non-negative, so their order keys fit in 31 bits);
 - the draw, Gumbel-max: the argmax over kept tokens of x/T + G_i, G_i = -log(-log(u_i)), an exact
   sample from softmax(x/T) restricted to the kept set. u_i comes from a counter hash of (key, i),
   so a row's token depends only on its logits and its 32-bit key (the host draws one per token from
@@ -22,13 +23,17 @@ The kept sets differ from the host sampler's only at exact ties with a threshold
 lower ids, this keeps every tied token) and, for top-p, where float32 and float64 mass sums fall on
 different sides of top_p. Counts and sums run in float32: the GPU backends fail on int64
 reductions (kernels/topk.py).
+
+Every vocabulary-long reduction runs in two levels, over the row cut into up to PIECES pieces: a GPU
+gives each (row, piece) its own workgroup, where a row-long reduction gets one workgroup per row
+(docs/performance.md, session 18: the sampler alone at Flash's vocabulary).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels.topk import _order_key, first_argmax
+from .kernels.topk import _order_key
 
 __all__ = ["sample", "hash_uniform", "all_finite"]
 
@@ -67,19 +72,56 @@ def hash_uniform(key: torch.Tensor, n: int) -> torch.Tensor:
     return (_shr(h, 9).float() + 0.5) * (1.0 / 2**23)
 
 
+PIECES = 128  # Flash's vocabulary, 129,280 = 128 x 1,010
+RADIX_BITS = 4
+
+
+def _pieces(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """[R, V] -> [R, P, ceil(V / P)], the tail padded with `fill`: P = PIECES, fewer for a vocabulary
+    under 64 x PIECES (pieces of at least 64)."""
+    r, v = x.shape
+    p = max(1, min(PIECES, v // 64))
+    if v % p:
+        x = torch.nn.functional.pad(x, (0, p - v % p), value=fill)
+    return x.reshape(r, p, -1)
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    return _pieces(x, 0.0).sum(-1).sum(-1, keepdim=True)
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    return _pieces(x, float("-inf")).amax(-1).amax(-1, keepdim=True)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """kernels.topk.first_argmax (the first maximal index, [R, 1]) with two-level reductions."""
+    n = x.shape[-1]
+    cols = torch.arange(n, device=x.device, dtype=torch.float32)  # exact below 2^24
+    idx = torch.where(x == _row_max(x), cols, float(n))
+    return _pieces(idx, float(n)).amin(-1).amin(-1, keepdim=True).clamp(max=n - 1).long()
+
+
 def all_finite(x: torch.Tensor) -> torch.Tensor:
     """[R] bool: no NaN or inf in row r of x [R, V] (the row sum is finite; aten.isfinite does not
     lower in torch-mlir, an ordered compare with inf does: false for NaN and inf)."""
-    return x.float().sum(-1).abs() < float("inf")
+    return _row_sum(x.float())[:, 0].abs() < float("inf")
 
 
 def _threshold(key: torch.Tensor, weight: torch.Tensor, need: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per row, the largest t with sum(weight[key >= t]) >= need[row], bisected from bit bits-1
-    down (key: order keys, int64 [R, V]; weight float32 [R, V]; need float32 [R, 1])."""
+    """Per row, the largest t in [0, 2^bits) with sum(weight[key >= t]) >= need[row] (key: order keys,
+    int64 [R, V]; weight float32 [R, V] >= 0; need float32 [R, 1]); 0 when no t qualifies.
+    RADIX_BITS bits a round from the top: the sum falls as t grows, so the largest digit whose
+    candidate still qualifies is the count of candidates that do (one [R, digits] reduction)."""
+    kp, wp = _pieces(key, -1), _pieces(weight, 0.0)  # padding: never >= a candidate (all >= 1), no weight
     t = torch.zeros_like(key[:, :1])
-    for b in range(bits - 1, -1, -1):
-        c = t + (1 << b)
-        t = torch.where(torch.where(key >= c, weight, 0.0).sum(-1, keepdim=True) >= need, c, t)
+    hi = bits
+    while hi > 0:
+        lo = hi - (hi % RADIX_BITS or RADIX_BITS)
+        c = t + torch.arange(1, 2 ** (hi - lo), dtype=key.dtype, device=key.device) * 2 ** lo  # [R, digits]
+        s = torch.where(kp[:, None] >= c[:, :, None, None], wp[:, None], 0.0).sum(-1).sum(-1)
+        t = t + (s >= need).float().sum(-1, keepdim=True).long() * 2 ** lo
+        hi = lo
     return t
 
 
@@ -99,9 +141,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ks = _order_key(xs)
     keep = ks >= _threshold(ks, torch.ones_like(xs), k, 32)
     # top-p over the renormalised top-k set: probabilities >= 0 order as their float32 bits
-    p = torch.where(keep, torch.exp(xs - xs.amax(-1, keepdim=True)), 0.0)
+    p = torch.where(keep, torch.exp(xs - _row_max(xs)), 0.0)
     tp = top_p.float().reshape(n, 1)
-    need = tp * p.sum(-1, keepdim=True)
+    need = tp * _row_sum(p)
     pk = _order_key(p) - 2**31  # [0, 2^31) for p >= 0
     keep = torch.logical_and(keep, torch.logical_or(tp >= 1.0, pk >= _threshold(pk, p, need, 31)))
     g = -torch.log(-torch.log(hash_uniform(key, v)))

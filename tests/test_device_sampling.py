@@ -121,16 +121,18 @@ def ref_threshold(key: np.ndarray, weight: np.ndarray, need: float, bits: int) -
 
 def test_threshold_bisection_matches_brute_force() -> None:
     """The top-k / top-p threshold search: counts (top-k: weight 1) and masses (top-p), with tied
-    keys, zero weights, and `need` at, between and beyond the steps of the sum."""
-    from dsv4.model.device_sampling import _threshold
+    keys, zero weights, and `need` at, between and beyond the steps of the sum; rows of 40 (one
+    piece) and of 1,000 (15 pieces of 67, the last one padded)."""
+    from dsv4.model.device_sampling import _pieces, _threshold
 
+    assert _pieces(torch.zeros(2, 1000), 0.0).shape == (2, 15, 67)
     g = np.random.default_rng(0)
-    for bits in (32, 31, 9):
-        key = g.integers(0, 2**bits, (6, 40))
+    for bits, v in ((32, 40), (31, 40), (9, 40), (32, 1000), (31, 1000)):
+        key = g.integers(0, 2**bits, (6, v))
         key[:, 20:30] = key[:, :10]  # ties
-        key[5] = g.integers(0, 4, 40)  # a row of few distinct keys
+        key[5] = g.integers(0, 4, v)  # a row of few distinct keys
         # multiples of 1/64: every sum is exact in float32 and float64 alike, so `need` can sit exactly on a step
-        weight = (g.integers(1, 64, (6, 40)) / 64).astype(np.float32)
+        weight = (g.integers(1, 64, (6, v)) / 64).astype(np.float32)
         weight[:, ::7] = 0.0
         ones = np.ones_like(weight)
         for w in (ones, weight):
