@@ -389,14 +389,15 @@ def test_default_kernel_choices_per_target_set():
 
 def test_batch_invariant_export_pads_the_gemm_rows():
     """--batch-invariant picks the kernel_rows16 form of every op that offers it (the dense GEMMs: the
-    FP8 linears and f32_linear) and the routed experts' f32 form; an explicit --kernel choice wins."""
+    FP8 linears and f32_linear) and the routed experts' f32 form, and leaves sparse attention at its
+    kernel (bitwise across cuda batch sizes, docs/batch-invariance.md); an explicit --kernel choice wins."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import _default_kernels
 
     cuda = check_target("cuda")
     assert _default_kernels(None, [cuda], batch_invariant=True) == {
         "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
-        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "sparse_attention": "reference"}
+        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}  # sparse attention: its kernel, the op's default
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,
