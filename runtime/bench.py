@@ -5,7 +5,8 @@
 
 Reports decode ms/step and tokens/s per batch and context length, prefill tokens/s, time to first
 token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
-where the driver allows, the top dispatches by time (IREE's HAL profiling; Nsight Compute on cuda).
+where the driver allows, the top dispatches by time of a decode call and of a prefill call (IREE's
+HAL profiling; Nsight Compute on cuda).
 This module imports only numpy and iree.runtime; the torch backends (`dsv4.model.bench_torch`) load
 only when --compare names them.
 
@@ -264,10 +265,11 @@ def _tool(name: str) -> Path:
     return Path(libs.__file__).parent / name
 
 
-def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: int, workdir: Path) -> dict[str, Any]:
-    """Top 10 dispatches by time of `steps` (at most PROFILE_CALLS) decode_bs{batch} calls at
-    `position` (zero state: every read is masked by position, the work is the same), or why that is
-    unavailable."""
+def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, position: int, steps: int,
+                     workdir: Path) -> dict[str, Any]:
+    """Top 10 dispatches by time of `steps` (at most PROFILE_CALLS) calls of {kind}_bs{batch} ("decode"
+    or "prefill") with `tokens` tokens per row written at `position` (zero state: every read is masked by
+    position, the work is the same), or why that is unavailable."""
     steps = min(steps, PROFILE_CALLS)
     mode = PROFILE_MODES.get(device)
     cfg = eng.config
@@ -279,15 +281,15 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
         return {"available": False, "why": "a pipeline export is one module per stage; profile a one-module export"}
     workdir.mkdir(parents=True, exist_ok=True)
     np.save(workdir / "slots.npy", np.arange(batch, dtype=np.int64))
-    prof = workdir / "decode.ireeprof"
-    inputs = [f"--input={batch}x1xi64=3", f"--input={batch}xi64={position}", f"--input={batch}xi64=1",
+    prof = workdir / f"{kind}.ireeprof"
+    inputs = [f"--input={batch}x{tokens}xi64=3", f"--input={batch}xi64={position}", f"--input={batch}xi64={tokens}",
               f"--input=@{workdir / 'slots.npy'}"]
     inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]
     n_dev = len(eng.module.devices)  # a multi-device export: one --device per device, in order
     uris = [device] * n_dev if device.startswith("local") else [f"{device}://{i}" for i in range(n_dev)]
     cmd = [str(_tool("iree-benchmark-module")), f"--module={eng.vmfb_path}",
            *(f"--parameters=model={p}" for p in eng.parameters_paths), *(f"--device={u}" for u in uris),
-           f"--function=decode_bs{batch}",
+           f"--function={kind}_bs{batch}",
            *inputs, f"--benchmark_min_time={steps}x", f"--device_profiling_mode={mode}",
            f"--device_profiling_output={prof}"]
     if eng.target == "llvm-cpu":
@@ -299,7 +301,8 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
         last = _last_line(run)
         if device == "cuda" and "UNIMPLEMENTED" in last and shutil.which("ncu"):
             # IREE 3.13's CUDA HAL has no native profiling: time every kernel with Nsight Compute instead
-            return _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
+            prof_ncu = _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
+            return {**prof_ncu, "function": f"{kind}_bs{batch}", "tokens": tokens}
         return {"available": False, "why": f"iree-benchmark-module failed: {last[:300]}"}
     rep = _run_limited([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)])
     if rep is None:
@@ -311,7 +314,8 @@ def dispatch_profile(eng: Any, device: str, batch: int, position: int, steps: in
     calls = min(g["count"] for g in groups)  # every dispatch of the function runs at least once a call
     total = sum(g["total_ns"] for g in groups)
     top = sorted(groups, key=lambda g: -g["total_ns"])[:10]
-    return {"available": True, "via": f"IREE HAL profiling ({mode})", "batch": batch, "calls": calls,
+    return {"available": True, "via": f"IREE HAL profiling ({mode})", "function": f"{kind}_bs{batch}",
+            "batch": batch, "tokens": tokens, "calls": calls,
             "dispatches_per_step": sum(g["count"] for g in groups) / calls, "device_ms_per_step": total / calls / 1e6,
             "top": [{"name": g["key"], "ms_per_step": g["total_ns"] / calls / 1e6,
                      "calls_per_step": g["count"] / calls, "share": g["total_ns"] / total} for g in top]}
@@ -404,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time only the --compare backends (to split a long comparison over two runs)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="buffer size of the bandwidth copy (default 1024 on a GPU, 64 on local-*)")
-    p.add_argument("--no-profile", action="store_true", help="skip the per-dispatch profile")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-dispatch profiles (decode and prefill)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="write ms/step vs batch, one line per backend (matplotlib)")
     return p
@@ -516,13 +520,19 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
 
     if args.no_profile:
         profile: dict[str, Any] = {"available": False, "why": "--no-profile"}
+        prefill_profile: dict[str, Any] = profile
     else:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="dsv4_bench_") as tmp:
-            profile = dispatch_profile(eng, args.device, max(plan.batches), plan.contexts[-1] - 1, plan.steps,
-                                       Path(tmp))
-        progress("per-dispatch profile: " + ("done" if profile["available"] else profile["why"]))
+            profile = dispatch_profile(eng, args.device, "decode", max(plan.batches), 1, plan.contexts[-1] - 1,
+                                       plan.steps, Path(tmp))
+            progress("per-dispatch profile of decode: " + ("done" if profile["available"] else profile["why"]))
+            # prefill: one chunk of the TTFT prompt in every row of the widest exported prefill
+            prefill_profile = dispatch_profile(eng, args.device, "prefill", max(plan.prefill_batch_sizes),
+                                               plan.chunk, 0, plan.steps, Path(tmp))
+            progress("per-dispatch profile of prefill: " + ("done" if prefill_profile["available"]
+                                                             else prefill_profile["why"]))
     m = cfg.model
     return {
         "export": str(cfg.directory), "device": args.device, "export_id": cfg.export_id,
@@ -531,7 +541,8 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                   "max_seq_len": cfg.max_seq_len, "n_slots": cfg.n_slots},
         "settings": {k: v for k, v in asdict(plan).items() if k != "notes"},
         "copy_bandwidth_gbps": bw, "copy_mib": mib, "notes": plan.notes,
-        "decode": decode, "ttft": ttft, "profile": profile, "iree_nonfinite_rows": iree_be.nonfinite_rows,
+        "decode": decode, "ttft": ttft, "profile": profile, "prefill_profile": prefill_profile,
+        "iree_nonfinite_rows": iree_be.nonfinite_rows,
     }
 
 
@@ -554,13 +565,16 @@ def print_table(rep: dict[str, Any], out: Any = None) -> None:
     w(f"{'backend':<20} {'prompt':>6} {'TTFT ms':>9} {'prefill tok/s':>13}")
     for r in rep["ttft"]:
         w(f"{r['backend']:<20} {r['prompt_tokens']:>6} {r['ttft_ms']:>9.2f} {r['prefill_tokens_per_s']:>13.0f}")
-    p = rep["profile"]
-    w("")
-    if not p["available"]:
-        w(f"per-dispatch profile: unavailable ({p['why']})")
-    else:
-        w(f"per-dispatch profile, decode batch {p['batch']}, via {p['via']}, {p['calls']} calls: "
-          f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per step; top 10:")
+    for kind, p in (("decode", rep["profile"]), ("prefill", rep.get("prefill_profile"))):
+        if p is None:
+            continue
+        w("")
+        if not p["available"]:
+            w(f"per-dispatch profile of {kind}: unavailable ({p['why']})")
+            continue
+        rows = f"batch {p['batch']}" + (f" x {p['tokens']} tokens" if kind == "prefill" else "")
+        w(f"per-dispatch profile, {kind} {rows}, via {p['via']}, {p['calls']} calls: "
+          f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per call; top 10:")
         for k in p["top"]:
             w(f"  {k['ms_per_step']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls_per_step']:<4.0f} {k['name'][:100]}")
     for n in rep["notes"]:

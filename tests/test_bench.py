@@ -76,6 +76,12 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
     times = [k["ms_per_step"] for k in prof["top"]]
     assert times == sorted(times, reverse=True) and sum(times) <= prof["device_ms_per_step"] * (1 + 1e-9)
     assert sum(k["share"] for k in prof["top"]) <= 1 + 1e-9
+    pre = rep["prefill_profile"]  # one chunk of the TTFT prompt in every row of the widest prefill
+    assert pre["available"], pre.get("why")
+    assert pre["function"] == f"prefill_bs{max(rep['settings']['prefill_batch_sizes'])}"
+    assert pre["tokens"] == rep["settings"]["chunk"] and pre["calls"] >= steps
+    # a prefill call of 20 tokens per row does more work than a one-token decode call
+    assert pre["device_ms_per_step"] > prof["device_ms_per_step"] * pre["batch"] / prof["batch"]
 
 
 def test_bench_no_iree_times_only_the_torch_side(bench_export: Path, capsys) -> None:
@@ -96,6 +102,7 @@ def test_bench_table_and_plot(bench_export: Path, capsys, tmp_path: Path) -> Non
                           "--warmup", "1", "--prefill", "16", "--plot", str(png))
     assert rc == 0, err
     assert "ms/step" in out and "% roofline" in out and "TTFT" in out and "per-dispatch profile, decode batch 1" in out
+    assert "per-dispatch profile, prefill batch" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
