@@ -120,8 +120,7 @@ class _Entry(nn.Module):
                           **streams)
 
     def step(self, tokens, start_pos, lengths, slots, state, h=None):
-        from dsv4.model.device_sampling import all_finite
-        from dsv4.model.kernels.topk import first_argmax
+        from dsv4.model.device_sampling import all_finite, first_argmax
 
         logits = self._run(tokens, start_pos, lengths, slots, state, h)
         if not self.is_last:
@@ -212,8 +211,8 @@ def routed_f32_bytes(cfg) -> int:
     return 4 * 3 * cfg.n_routed_experts * cfg.moe_intermediate_size * cfg.hidden_size
 
 
-def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], batch_invariant: bool = False,
-                     routed_bytes: int = GATHER_COPY_LIMIT + 1) -> dict[str, str]:
+def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], routed_bytes: int,
+                     batch_invariant: bool = False) -> dict[str, str]:
     """The user's --kernel choices, plus: an export for llvm-cpu only reads the routed experts in place
     (mxfp4_linear_gathered=kernel) when `routed_bytes` (routed_f32_bytes) exceeds GATHER_COPY_LIMIT:
     gathering first makes IREE write an f32 copy of every routed block's weights, 27 GB per Flash
@@ -512,7 +511,7 @@ def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: S
     act = model.dtype
     if act not in STATE_DTYPE_NAMES:
         raise ExportError("validate", f"unsupported activation dtype {act}")
-    picked = _default_kernels(kernels, tgts, batch_invariant, routed_f32_bytes(cfg))
+    picked = _default_kernels(kernels, tgts, routed_f32_bytes(cfg), batch_invariant)
     out = Path(out_dir)
     try:
         check_out_dir(out, force=force)

@@ -304,13 +304,15 @@ def test_export_argmax_compiles_for_every_target(tmp_path):
     and int64 min reductions fail to distribute on the GPU backends) and matches torch.argmax."""
     from iree.turbine import aot
 
-    from dsv4.model.kernels.topk import first_argmax
+    from dsv4.model.device_sampling import first_argmax
 
     class M(nn.Module):
         def forward(self, x):
             return first_argmax(x)[:, 0]
 
-    x = _r(4, 512)
+    x = _r(4, 1000)  # 15 pieces of 67, the last one padded
+    x[1, [3, 700]] = 10.0  # a tie: the first index wins
+    x[2, 999] = 10.0  # the maximum in the padded piece
     fxb = aot.FxProgramsBuilder(M())
     fxb.export_program(lambda m, x: m(x), name="f", args=(x,), strict=False)
     mlir = tmp_path / "argmax.mlir"

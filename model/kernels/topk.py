@@ -24,20 +24,7 @@ import torch
 
 from . import kernel
 
-__all__ = ["topk_indices", "topk", "topk_radix", "radix_threshold", "first_argmax", "record_topk"]
-
-
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, -1, keepdim=True) (first maximal index) as a max and a min reduction.
-
-    Why: IREE 3.13's gfx942 backend fails on aten.argmax over a 512-wide row ("'func.func' op
-    failed to distribute", measured on the tiny model's vocab argmax); two plain reductions lower
-    everywhere. The index minimum runs in float32 because the CUDA backend (sm_89) fails the
-    same way on an int64 min reduction. Rows without a maximum (all NaN) give the last index."""
-    n = x.shape[-1]
-    cols = torch.arange(n, device=x.device, dtype=torch.float32)  # exact below 2^24 (vocab 129280)
-    hit = x == x.amax(-1, keepdim=True)
-    return torch.where(hit, cols, float(n)).amin(-1, keepdim=True).clamp(max=n - 1).long()
+__all__ = ["topk_indices", "topk", "topk_radix", "radix_threshold", "record_topk"]
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
