@@ -375,16 +375,16 @@ def test_default_kernel_choices_per_target_set():
     assert routed_f32_bytes(flash) == 4 * 3 * 256 * 2048 * 4096  # 25.8 GB a layer
     small = load_checkpoint(EMBEDDED_CHECKPOINT, weights=False).cfg
     assert routed_f32_bytes(small) < GATHER_COPY_LIMIT < routed_f32_bytes(flash)
-    assert _default_kernels(None, [cpu], routed_bytes=routed_f32_bytes(flash)) == {"mxfp4_linear_gathered": "kernel"}
-    assert _default_kernels(None, [cpu], routed_bytes=routed_f32_bytes(small)) == {}
-    assert _default_kernels(None, [cpu]) == {"mxfp4_linear_gathered": "kernel"}
+    BIG = routed_f32_bytes(flash)
+    assert _default_kernels(None, [cpu], BIG) == {"mxfp4_linear_gathered": "kernel"}
+    assert _default_kernels(None, [cpu], routed_f32_bytes(small)) == {}
     for tgts in ([cpu], [cpu, cuda], [cpu, gfx], [cuda], [gfx, cuda]):  # [cpu, gfx]: the main job's export
-        assert resolve_choices(_default_kernels(None, tgts))["sparse_attention"] == "kernel"
-    assert _default_kernels(None, [cpu, cuda]) == {}
-    assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu]) == {"mxfp4_linear_gathered": "reference"}
-    assert _default_kernels({"*": "reference"}, [cpu]) == {"*": "reference"}
-    assert _default_kernels({"sparse_attention": "reference"}, [cuda]) == {"sparse_attention": "reference"}
-    assert _default_kernels({"*": "reference"}, [cuda]) == {"*": "reference"}
+        assert resolve_choices(_default_kernels(None, tgts, BIG))["sparse_attention"] == "kernel"
+    assert _default_kernels(None, [cpu, cuda], BIG) == {}
+    assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu], BIG) == {"mxfp4_linear_gathered": "reference"}
+    assert _default_kernels({"*": "reference"}, [cpu], BIG) == {"*": "reference"}
+    assert _default_kernels({"sparse_attention": "reference"}, [cuda], BIG) == {"sparse_attention": "reference"}
+    assert _default_kernels({"*": "reference"}, [cuda], BIG) == {"*": "reference"}
 
 
 def test_batch_invariant_export_pads_the_gemm_rows():
@@ -392,17 +392,19 @@ def test_batch_invariant_export_pads_the_gemm_rows():
     FP8 linears and f32_linear) and the routed experts' f32 form, and leaves sparse attention at its
     kernel (bitwise across cuda batch sizes, docs/batch-invariance.md); an explicit --kernel choice wins."""
     from dsv4.export.compile import check_target
-    from dsv4.export.exporter import _default_kernels
+    from dsv4.export.exporter import _default_kernels, routed_f32_bytes
+    from dsv4.model.config import ModelConfig
 
     cuda = check_target("cuda")
-    assert _default_kernels(None, [cuda], batch_invariant=True) == {
+    BIG = routed_f32_bytes(ModelConfig.preset("flash"))
+    assert _default_kernels(None, [cuda], BIG, batch_invariant=True) == {
         "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
         "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}  # sparse attention: its kernel, the op's default
-    picked = _default_kernels({"f32_linear": "reference"}, [cuda], batch_invariant=True)
+    picked = _default_kernels({"f32_linear": "reference"}, [cuda], BIG, batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,
     # docs/batch-invariance.md), so the flag leaves an llvm-cpu export alone and refuses a mixed one
     cpu = check_target("llvm-cpu")
-    assert _default_kernels(None, [cpu], batch_invariant=True) == _default_kernels(None, [cpu])
+    assert _default_kernels(None, [cpu], BIG, batch_invariant=True) == _default_kernels(None, [cpu], BIG)
     with pytest.raises(ExportError, match="llvm-cpu and a GPU target"):
-        _default_kernels(None, [cpu, cuda], batch_invariant=True)
+        _default_kernels(None, [cpu, cuda], BIG, batch_invariant=True)
