@@ -161,10 +161,11 @@ def test_merged_slot_weights():
 @pytest.mark.parametrize("pairwise", [False, True])
 def test_pair_ranks_count_earlier_pairs_of_the_same_expert(pairwise):
     g = torch.Generator().manual_seed(3)
-    for P, E in ((1, 4), (37, 5), (200, 256)):
+    # 600 pairs: the export form's two levels (chunks of RANK_CHUNK = 256), the last chunk partial
+    for P, E in ((1, 4), (37, 5), (200, 256), (600, 7), (600, 256), (512, 3)):
         e = torch.randint(0, E, (P,), generator=g)
         want = [sum(1 for j in range(i) if e[j] == e[i]) for i in range(P)]  # the definition, by loops
-        assert pair_ranks(e, E, pairwise=pairwise).tolist() == want
+        assert pair_ranks(e, E, pairwise=pairwise).tolist() == want, (P, E)
 
 
 def test_bad_input_is_named():
@@ -447,3 +448,32 @@ def test_prefill_moe_never_copies_expert_weights(tmp_path):
 
     assert copies({"mxfp4_linear_gathered": "kernel"}) == []
     assert copies({"mxfp4_linear_gathered": "reference"}), "the check no longer sees the gathered copy"
+
+
+@pytest.mark.slow  # compiles (tests/conftest.py)
+def test_pair_ranks_export_form_compiled_llvm_cpu(tmp_path):
+    """The ranks' export form (two levels over chunks of RANK_CHUNK pairs) traced with a dynamic pair
+    count and compiled for llvm-cpu: one chunk, several, and a partial last chunk, against the
+    definition by loops."""
+    from iree.turbine import aot
+
+    from dsv4.export.compile import compile_mlir
+    from dsv4.model.kernels.moe import RANK_CHUNK
+    from dsv4.runtime.module import IreeModule
+
+    class Ranks(torch.nn.Module):
+        def forward(self, e):
+            return pair_ranks(e, 9)
+
+    P = torch.export.Dim("P", min=2, max=4096)
+    fxb = aot.FxProgramsBuilder(Ranks())
+    fxb.export_program(lambda m, e: m(e), name="ranks", args=(torch.zeros(40, dtype=torch.int64),),
+                       dynamic_shapes={"e": {0: P}}, strict=False)
+    mlir = tmp_path / "ranks.mlir"
+    aot.export(fxb).save_mlir(str(mlir))
+    mod = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "ranks.vmfb").path)
+    g = torch.Generator().manual_seed(5)
+    for n in (2, 40, RANK_CHUNK, 3 * RANK_CHUNK + 17):
+        e = torch.randint(0, 9, (n,), generator=g)
+        want = [sum(1 for j in range(i) if e[j] == e[i]) for i in range(n)]
+        assert np.asarray(mod("ranks", e.numpy())).tolist() == want, n

@@ -102,22 +102,57 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
     return n_experts + n_pairs // block
 
 
+RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
+
+
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
     """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
-    counting-sort rank). `pairwise` (the default when tracing for export): a P x P compare-and-count,
-    one parallel reduction. Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE
-    compiles to a scan run sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at
-    batch 64 on the H200, docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE
-    3.13's cuda backend fails to compile an integer sum whose input is computed in the same dispatch
-    ("failed to distribute"; docs/kernels.md)."""
+    counting-sort rank). `pairwise` (the default when tracing for export): compare-and-count, parallel
+    reductions only. Up to RANK_CHUNK pairs (decode) one P x P count; beyond (a prefill: P = tokens x
+    top-k, dynamic) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a P x P count
+    is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200 (session 19).
+    Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
+    sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at batch 64 on the H200,
+    docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE 3.13's cuda backend
+    fails to compile an integer sum whose input is computed in the same dispatch ("failed to
+    distribute"; docs/kernels.md)."""
     if pairwise is None:
         pairwise = torch.compiler.is_exporting()
     if pairwise:
-        i = torch.arange(e.shape[0], device=e.device)
+        P = e.shape[0]
+        if not isinstance(P, int) or P > RANK_CHUNK:
+            return _chunked_ranks(e, n_experts)
+        i = torch.arange(P, device=e.device)
         earlier = (i[None, :] < i[:, None]).to(torch.float32)  # [i, j]: j before i (a bool `&` does not lower)
         return ((e[None, :] == e[:, None]).to(torch.float32) * earlier).sum(1).to(torch.int64)
     onehot = (e[:, None] == torch.arange(n_experts, device=e.device)[None, :]).to(torch.int64)  # [P,E]
     return onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1
+
+
+def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> torch.Tensor:
+    """pair_ranks in two levels: the earlier pairs of the same expert inside a pair's chunk (a P x chunk
+    count), plus those of the earlier chunks (each chunk's per-expert counts, [chunks, E], summed over
+    the chunks before). P x (chunk + E) work instead of P x P; no scan, no padding of the dynamic P."""
+    P = e.shape[0]
+    dev = e.device
+    i = torch.arange(P, device=dev)
+    cols = torch.arange(chunk, device=dev)
+    first = torch.div(i, chunk, rounding_mode="floor") * chunk  # the first pair of i's chunk
+    j = first[:, None] + cols[None, :]  # [P, chunk]: the pairs of i's chunk
+    same = (e[j.clamp(max=P - 1)] == e[:, None]).to(torch.float32)
+    inside = (same * (j < i[:, None]).to(torch.float32)).sum(1)  # a bool `&` does not lower
+    # one chunk more than needed, and never 1: a traced chunk count the tracer could see as 1 gets
+    # specialized (its broadcasting and contiguity guards), the extra chunk is empty
+    n_chunks = P // chunk + 2
+    c = torch.arange(n_chunks, device=dev)
+    members = c[:, None] * chunk + cols[None, :]  # [chunks, chunk]
+    valid = (members < P).to(torch.float32)
+    experts = torch.arange(n_experts, device=dev)
+    hits = (e[members.clamp(max=P - 1)][:, :, None] == experts[None, None, :]).to(torch.float32)
+    counts = (hits * valid[:, :, None]).sum(1)  # [chunks, E]
+    before = ((c[None, :] < c[:, None]).to(torch.float32)[:, :, None] * counts[None, :, :]).sum(1)  # [chunks, E]
+    own = torch.div(i, chunk, rounding_mode="floor") * n_experts + e  # 1-D gather: a 2-index one does not lower
+    return (inside + before.flatten()[own]).to(torch.int64)
 
 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
