@@ -25,7 +25,7 @@ from torch import nn
 from . import quant_sim
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
-from .kernels.linear import f32_linear, linear
+from .kernels.linear import f32_linear, grouped_linear, linear
 from .kernels.mhc import hc_sinkhorn
 from .kernels.moe import moe_experts, swiglu
 from .kernels.sparse_attention import sparse_attention
@@ -348,8 +348,7 @@ class Attention(nn.Module):
         o = sparse_attention(q, kvs, idx, self.attn_sink, self.scale)
         o = rope_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
         o = o.reshape(B, T, self.G, H * D // self.G)
-        wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
-        return torch.einsum("btgk,grk->btgr", o, wo_a)
+        return grouped_linear(o, self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G))
 
     def forward(self, x: torch.Tensor, b: Batch, st: LayerState, state: dict, rope: dict) -> torch.Tensor:
         B, T, _ = x.shape

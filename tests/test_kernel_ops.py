@@ -22,7 +22,7 @@ from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, mxfp4_linear,
+from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, grouped_linear, mxfp4_linear,
                                        mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
@@ -75,6 +75,17 @@ class F32Linear(nn.Module):
 
     def forward(self, x):
         return f32_linear(x.bfloat16(), self.weight)
+
+
+class GroupedLinear(nn.Module):
+    """grouped_linear: 4 groups of 64 -> 24 (wo_a's form), in f32 (the bf16 form rounds its f32 sums once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(_r(4, 24, 64) * 0.1, requires_grad=False)
+
+    def forward(self, x):
+        return grouped_linear(x, self.weight)
 
 
 class Mxfp4Linear(nn.Module):
@@ -149,6 +160,7 @@ def _cases() -> dict:
         "fp8_block_linear": (lambda: Fp8Linear(False), (_r(2, T, 128),), (1,)),
         "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),
         "f32_linear": (F32Linear, (_r(2, T, 128),), (1,)),
+        "grouped_linear": (GroupedLinear, (_r(2, T, 4, 64),), (1,)),
         "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_gathered": (GatheredLinear, (_r(T, 3, 128), torch.randint(0, 4, (T,), generator=G)), (0, 0)),

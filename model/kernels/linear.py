@@ -48,7 +48,7 @@ from ..formats import (
 from . import kernel
 from .qdq import FP8_AMAX_FLOOR, block_qdq
 
-__all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "fp8_block_linear", "mxfp4_linear",
+__all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "grouped_linear", "fp8_block_linear", "mxfp4_linear",
            "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
            "ACT_AMAX_FLOOR"]
 
@@ -150,13 +150,26 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
 
 @kernel("f32_linear", args={"x": "..., K", "weight": "N, K"}, results={"y": "..., N"}, static=("N", "K"),
         dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja",
-        mlir_variants=_ROWS16, export="kernel")
+        mlir_variants=_ROWS16, trace_sizes=("...",), export="kernel")
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T in float32 for a float weight: the router gate, the compressors' projections and the
     mHC mixes, which the reference runs in fp32 on a bf16 activation. The kernel keeps the operands
     bf16 where that is exact (an fp32 weight as three bf16 terms; dense.mlir.jinja), so GPUs run it
     on the matrix cores; every product is exact and the sums are f32."""
     return F.linear(x.float(), weight.float())
+
+
+@kernel("grouped_linear", args={"x": "..., G, K", "weight": "G, N, K"}, results={"y": "..., G, N"},
+        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",),
+        export="kernel")
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
+    wo_a, spec §3): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in f32 and pads a
+    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja)."""
+    if weight.dtype != x.dtype or weight.dim() != 3 or x.shape[-2:] != (weight.shape[0], weight.shape[2]):
+        raise ValueError(f"grouped_linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
+                         f"{weight.dtype} ([..., G, K] and [G, N, K] of one dtype)")
+    return torch.einsum("...gk,gnk->...gn", x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
