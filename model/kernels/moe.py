@@ -65,6 +65,10 @@ def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, indices: torch
 # 128-token call with 4 rows per block and 6.8 ms with 16 (TTFT 3.1 s -> 0.18 s; docs/performance.md).
 # The price is padded rows (<= E*Mb per layer and chunk; bench/moe_bytes.py prints the ratio).
 GROUP_BLOCK = 16
+# A prefill's (a dynamic pair count's) blocks: every one of the grouped_blocks bound runs, and each
+# gathers and decodes its expert's weights, so fewer, fuller blocks read fewer bytes (Flash, 8 x 256
+# tokens: 448 blocks of 64 rows against 1,024 of 16).
+PREFILL_GROUP_BLOCK = 64
 
 
 def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -158,7 +162,7 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
-                       block: int = GROUP_BLOCK) -> torch.Tensor:
+                       block: int | None = None) -> torch.Tensor:
     """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
 
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
@@ -167,8 +171,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
         no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows. Rows <= P + E*block: within 1.5x of the
-        routed FLOPs once P >= 2*E*block.
+        multiplies `block` rows (default GROUP_BLOCK, PREFILL_GROUP_BLOCK when P is dynamic).
+        Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
     E, d = w1.shape[0], x.shape[-1]
@@ -176,6 +180,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         raise ValueError(f"moe_experts_routed: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
                          f"indices {tuple(indices.shape)} disagree")
     P = N * k
+    if block is None:
+        block = GROUP_BLOCK if isinstance(P, int) else PREFILL_GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
     e = indices.reshape(-1)
