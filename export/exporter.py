@@ -126,8 +126,10 @@ class _Entry(nn.Module):
         if not self.is_last:
             return logits
         # = argmax(-1) (aten.argmax fails on gfx942); -1 marks a row whose logits are not all finite
-        # (their sum is not), so a broken build or weights is an error in the runtime, not a token
-        return logits, torch.where(all_finite(logits), first_argmax(logits)[:, 0], -1)
+        # (their sum is not), so a broken build or weights is an error in the runtime, not a token.
+        # One-level reductions: the decode graph measured clean on the H200 (a session-19 build that
+        # changed it returned a non-finite row at decode_bs8, cause not isolated)
+        return logits, torch.where(all_finite(logits), first_argmax(logits, two_level=False)[:, 0], -1)
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
         """prefill + the indices of every top-k in the graph, then the scores each one ranked (parity

@@ -94,15 +94,19 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
     return _pieces(x, float("-inf")).amax(-1).amax(-1, keepdim=True)
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, two_level: bool = True) -> torch.Tensor:
     """torch.argmax(x, -1, keepdim=True) (the first maximal index, [R, 1]) as a max and a min reduction,
-    each in two levels over PIECES pieces (one workgroup per row would read the whole vocabulary).
+    each in two levels over PIECES pieces (one workgroup per row would read the whole vocabulary);
+    `two_level=False`: one level each.
 
     Why not aten.argmax: IREE 3.13's gfx942 backend fails on it ("'func.func' op failed to
     distribute"), and the CUDA backend (sm_89) fails the same way on an int64 min reduction, so the
     index minimum runs in float32. Rows without a maximum (all NaN) give the last index."""
     n = x.shape[-1]
     cols = torch.arange(n, device=x.device, dtype=torch.float32)  # exact below 2^24
+    if not two_level:
+        hit = x == x.amax(-1, keepdim=True)
+        return torch.where(hit, cols, float(n)).amin(-1, keepdim=True).clamp(max=n - 1).long()
     idx = torch.where(x == _row_max(x), cols, float(n))
     return _pieces(idx, float(n)).amin(-1).amin(-1, keepdim=True).clamp(max=n - 1).long()
 

@@ -158,14 +158,17 @@ def test_merged_slot_weights():
     assert merged_slot_weights(w, i).tolist() == [[0.1 + 0.3 + 0.4, 0.2, 0.0, 0.0]]
 
 
-@pytest.mark.parametrize("pairwise", [False, True])
-def test_pair_ranks_count_earlier_pairs_of_the_same_expert(pairwise):
+@pytest.mark.parametrize("form", ["cumsum", "pairwise", "chunked"])
+def test_pair_ranks_count_earlier_pairs_of_the_same_expert(form):
+    from dsv4.model.kernels.moe import _chunked_ranks
+
     g = torch.Generator().manual_seed(3)
-    # 600 pairs: the export form's two levels (chunks of RANK_CHUNK = 256), the last chunk partial
+    # chunked: a prefill's two levels (chunks of RANK_CHUNK = 256): one chunk, several, a partial last one
     for P, E in ((1, 4), (37, 5), (200, 256), (600, 7), (600, 256), (512, 3)):
         e = torch.randint(0, E, (P,), generator=g)
         want = [sum(1 for j in range(i) if e[j] == e[i]) for i in range(P)]  # the definition, by loops
-        assert pair_ranks(e, E, pairwise=pairwise).tolist() == want, (P, E)
+        got = _chunked_ranks(e, E) if form == "chunked" else pair_ranks(e, E, pairwise=form == "pairwise")
+        assert got.tolist() == want, (P, E)
 
 
 def test_bad_input_is_named():

@@ -112,9 +112,10 @@ RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
     """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
     counting-sort rank). `pairwise` (the default when tracing for export): compare-and-count, parallel
-    reductions only. Up to RANK_CHUNK pairs (decode) one P x P count; beyond (a prefill: P = tokens x
-    top-k, dynamic) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a P x P count
-    is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200 (session 19).
+    reductions only. A static P (decode, at most batch x top-k) one P x P count; a dynamic one (a
+    prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
+    P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200
+    (session 19).
     Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
     sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at batch 64 on the H200,
     docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE 3.13's cuda backend
@@ -124,7 +125,7 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
         pairwise = torch.compiler.is_exporting()
     if pairwise:
         P = e.shape[0]
-        if not isinstance(P, int) or P > RANK_CHUNK:
+        if not isinstance(P, int):  # a prefill's dynamic P; decode keeps its P x P form (measured clean on cuda)
             return _chunked_ranks(e, n_experts)
         i = torch.arange(P, device=e.device)
         earlier = (i[None, :] < i[:, None]).to(torch.float32)  # [i, j]: j before i (a bool `&` does not lower)
