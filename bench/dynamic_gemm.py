@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
             ms = min(r["real_time"] for r in rows if r.get("run_type") == "iteration")
             unit = rows[0].get("time_unit", "ms")
             ms *= {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-            print(f"{name:<8} {fn:<8} {ms:8.3f} {_flops(fn, T_RUN) / ms / 1e9:8.1f}", flush=True)
+            print(f"{name:<8} {fn:<8} {ms:8.3f} {_flops(fn, T_RUN) / ms / 1e9:8.2f}", flush=True)
 
 
 def main() -> None:
