@@ -165,7 +165,8 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
     wo_a, spec §3): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in f32 and pads a
-    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja)."""
+    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja). The model exports it for
+    a dynamic token count only; decode keeps the einsum (model.Attention.attend says why)."""
     if weight.dtype != x.dtype or weight.dim() != 3 or x.shape[-2:] != (weight.shape[0], weight.shape[2]):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} ([..., G, K] and [G, N, K] of one dtype)")
