@@ -99,11 +99,13 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
     """Static upper bound on the Mb-row blocks that hold n_pairs (token, slot) pairs grouped by
     expert, each expert's group padded to a multiple of Mb: sum_e ceil(c_e/Mb) <= m + (P - m) // Mb
     with m = min(E, P) groups (one more non-empty group adds at most one block). A traced (symbolic)
-    pair count gets E + P // Mb, valid for every P."""
+    pair count gets E + P // Mb + 1, valid for every P: the spare empty block keeps the count above 1
+    (a traced size the tracer can see as 1 gets specialized: one expert per device and short prompts
+    made torch.export require T >= 32 with blocks of 64)."""
     if isinstance(n_pairs, int):
         m = min(n_experts, n_pairs)
         return m + (n_pairs - m) // block
-    return n_experts + n_pairs // block
+    return n_experts + n_pairs // block + 1
 
 
 RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
