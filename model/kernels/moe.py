@@ -144,8 +144,8 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
     dev = e.device
     i = torch.arange(P, device=dev)
     cols = torch.arange(chunk, device=dev)
-    first = torch.div(i, chunk, rounding_mode="floor") * chunk  # the first pair of i's chunk
-    j = first[:, None] + cols[None, :]  # [P, chunk]: the pairs of i's chunk
+    chunk_of = torch.div(i, chunk, rounding_mode="floor")
+    j = (chunk_of * chunk)[:, None] + cols[None, :]  # [P, chunk]: the pairs of i's chunk
     same = (e[j.clamp(max=P - 1)] == e[:, None]).to(torch.float32)
     inside = (same * (j < i[:, None]).to(torch.float32)).sum(1)  # a bool `&` does not lower
     # one chunk more than needed, and never 1: a traced chunk count the tracer could see as 1 gets
@@ -158,7 +158,7 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
     hits = (e[members.clamp(max=P - 1)][:, :, None] == experts[None, None, :]).to(torch.float32)
     counts = (hits * valid[:, :, None]).sum(1)  # [chunks, E]
     before = ((c[None, :] < c[:, None]).to(torch.float32)[:, :, None] * counts[None, :, :]).sum(1)  # [chunks, E]
-    own = torch.div(i, chunk, rounding_mode="floor") * n_experts + e  # 1-D gather: a 2-index one does not lower
+    own = chunk_of * n_experts + e  # 1-D gather: a 2-index one does not lower
     return (inside + before.flatten()[own]).to(torch.int64)
 
 
