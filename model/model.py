@@ -349,11 +349,6 @@ class Attention(nn.Module):
         o = rope_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
         o = o.reshape(B, T, self.G, H * D // self.G)
         wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
-        if isinstance(T, int) and torch.compiler.is_exporting():
-            # static shapes (decode) keep the plain einsum: with the kernel's static form a Flash-4 cuda
-            # decode_bs8 returned its last row non-finite (session 19, not understood); a prefill's
-            # dynamic T takes the kernel (its rows padded for the matrix cores)
-            return torch.einsum("btgk,grk->btgr", o, wo_a)
         return grouped_linear(o, wo_a)
 
     def forward(self, x: torch.Tensor, b: Batch, st: LayerState, state: dict, rope: dict) -> torch.Tensor:
