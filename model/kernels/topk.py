@@ -11,8 +11,8 @@ torch.topk itself breaks ties in an unspecified order, which is why the referenc
 Export uses ``topk_radix`` (implementation "radix"): IREE 3.13 returns wrong top-k *indices* when a
 topk/sort follows other work on a dynamic token dim (iree-notes §6, bug 6), and
 ``iree_linalg_ext.topk`` at k = 512 fails on cuda (128 KiB of shared memory) and runs ~25x slower on
-llvm-cpu (docs/kernels.md). The radix select uses only elementwise ops, reductions, one cumsum and
-a flat index_put, so its graph size does not depend on k.
+llvm-cpu (docs/kernels.md). The radix select uses only elementwise ops, reductions, prefix counts as
+GEMMs and a flat index_put, so its graph size does not depend on k.
 """
 
 from __future__ import annotations
@@ -50,12 +50,44 @@ def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
     return t
 
 
+PREFIX_CHUNK = 256  # entries per chunk of prefix_count's triangular GEMM
+
+
+def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
+    """Inclusive prefix sums along the last dim of a 0/1 tensor [R, N], float32, exact.
+
+    = m.cumsum(-1), but as GEMMs with a triangular ones matrix: IREE compiles a cumsum to a scan run
+    sequentially along the row (`scan_64x256xf32`: 30 % of the embedded default's decode step at
+    batch 64 on the H200, session 20). Rows are cut into chunks of `chunk` entries: within a chunk
+    one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks by a second,
+    [chunks, chunks] one. The operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and
+    every sum is an integer <= chunk (within a chunk; exact in bf16 up to 256) or <= N (the carry,
+    in float32: exact below 2^24). A traced (symbolic) N keeps the cumsum: the model's top-ks all
+    have a static N (the experts, the compressed entries of the state)."""
+    R, n = m.shape
+    if not isinstance(n, int):
+        return m.float().cumsum(-1)
+    c = min(chunk, n)
+    nc = -(-n // c)
+    if c > 256:
+        raise ValueError(f"prefix_count: chunk {c} > 256 is not exact in bf16")
+    x = torch.nn.functional.pad(m.to(torch.bfloat16), (0, nc * c - n)).view(R, nc, c)
+    i = torch.arange(c, device=m.device)
+    upper = (i[:, None] <= i[None, :]).to(torch.bfloat16)  # [i, j]: entry i counts toward the sum at j
+    inner = torch.matmul(x, upper).float()  # [R, nc, c]
+    if nc > 1:
+        ic = torch.arange(nc, device=m.device)
+        before = (ic[:, None] < ic[None, :]).to(torch.float32)  # chunk a carries into every later chunk b
+        inner = inner + torch.matmul(inner[..., -1], before)[..., None]
+    return inner.reshape(R, nc * c)[:, :n]
+
+
 def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     """Exact top-k by radix select (the contract above), as export traces it.
 
     1. Bisect the k-th largest order key bit by bit (32 rounds of count(key >= t), each one
        reduction): t = the largest key with at least k entries >= t.
-    2. Select key > t, plus the first (k - count(key > t)) entries with key == t (a cumsum).
+    2. Select key > t, plus the first (k - count(key > t)) entries with key == t (a prefix count).
     3. Compact the selected positions, in index order, into k slots with one flat index_put (the
        rest go to a trash slot per row, and the slot is clamped into the row, so a wrong count can
        never write outside it); a flat index_put is the form IREE compiles everywhere.
@@ -75,9 +107,9 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     gt = key > t
     need = k - gt.float().sum(-1, keepdim=True)
     eq = key == t
-    sel = torch.logical_or(gt, torch.logical_and(eq, eq.float().cumsum(-1) <= need))
+    sel = torch.logical_or(gt, torch.logical_and(eq, prefix_count(eq) <= need))
     row = torch.arange(rows, device=x.device)[:, None]
-    slot = torch.where(sel, sel.float().cumsum(-1).long() - 1, k).clamp(0, k) + row * (k + 1)
+    slot = torch.where(sel, prefix_count(sel).long() - 1, k).clamp(0, k) + row * (k + 1)
     cols = torch.arange(n, device=x.device).expand(rows, n)
     picks = torch.zeros(rows * (k + 1), dtype=torch.long, device=x.device)
     picks = picks.index_put((slot.reshape(-1),), cols.reshape(-1)).view(rows, k + 1)[:, :k]
