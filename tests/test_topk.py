@@ -66,6 +66,20 @@ def test_reference_and_radix_follow_the_tie_rule(shape, k):
     assert torch.equal(x.gather(-1, want), x.topk(k).values)
 
 
+def test_prefix_count_is_the_cumsum():
+    """prefix_count (the GEMM form of topk_radix's prefix counts) equals the cumsum exactly: one chunk,
+    several (a ragged last one), and the traced-shape fallback's own form."""
+    from dsv4.model.kernels.topk import prefix_count
+
+    g = torch.Generator().manual_seed(0)
+    for rows, n, chunk in ((3, 7, 256), (4, 256, 256), (5, 1000, 256), (2, 70_000, 256), (3, 50, 16)):
+        m = torch.rand(rows, n, generator=g) < 0.7
+        got = prefix_count(m, chunk)
+        assert got.dtype == torch.float32 and torch.equal(got.double(), m.double().cumsum(-1)), (rows, n, chunk)
+    with pytest.raises(ValueError, match="not exact"):
+        prefix_count(torch.ones(2, 600, dtype=torch.bool), 512)
+
+
 def test_radix_extreme_values():
     x = torch.tensor([[3.0e38, -3.0e38, float("inf"), float("-inf"), 1e-45, -1e-45, 0.0, -0.0, 2.0, 2.0]])
     for k in range(1, 11):
@@ -130,8 +144,9 @@ def test_shared_memory_screen_flags_a_race():
 def test_radix_compiled_alone(tmp_path):
     """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
     against the tie rule (with ties, -inf tails and ulp-spaced negatives), with the bisection traced and
-    as its kernel; the same module compiles for gfx942 and cuda, and no cuda kernel of it uses shared
-    memory without a barrier."""
+    as its kernel, and with static shapes ("fs": the prefix counts as triangular GEMMs, 4 chunks of
+    256 entries, as decode traces them); the same module compiles for gfx942 and cuda, and no cuda
+    kernel of it uses shared memory without a barrier."""
     from iree.turbine import aot
 
     class M(torch.nn.Module):
@@ -147,6 +162,7 @@ def test_radix_compiled_alone(tmp_path):
         with use_kernels({"radix_threshold": impl}):
             fxb.export_program(lambda m, x, y: m(x, y), name=name, args=(torch.randn(3, 1024), torch.randn(3, 256)),
                                dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
+    fxb.export_program(lambda m, x, y: m(x, y), name="fs", args=(torch.randn(64, 1024), torch.randn(64, 256)), strict=False)
     mlir = tmp_path / "topk.mlir"
     aot.export(fxb, import_symbolic_shape_expressions=True).save_mlir(str(mlir))
     for target in ("llvm-cpu", "gfx942"):
@@ -161,7 +177,7 @@ def test_radix_compiled_alone(tmp_path):
         x[0, n // 3:] = float("-inf")  # fewer than 512 finite entries in row 0
         x[-1] = ulp_negatives(1, n, n)[0]  # the 512th largest lies among near-equal negatives
         y[-1] = ulp_negatives(1, 256, rows)[0]
-        for fn in ("f", "fk"):
+        for fn in ("f", "fk", "fs") if (rows, n) == (64, 1024) else ("f", "fk"):
             a, b = m(fn, x.numpy(), y.numpy())
             assert np.array_equal(a, brute_topk(x, 512).numpy()), (fn, rows, n)
             assert np.array_equal(b, brute_topk(y, 6).numpy()), (fn, rows, n)

@@ -59,13 +59,15 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
     = m.cumsum(-1), but as GEMMs with a triangular ones matrix: IREE compiles a cumsum to a scan run
     sequentially along the row (`scan_64x256xf32`: 30 % of the embedded default's decode step at
     batch 64 on the H200, session 20). Rows are cut into chunks of `chunk` entries: within a chunk
-    one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks by a second,
-    [chunks, chunks] one. The operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and
+    one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks. The operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and
     every sum is an integer <= chunk (within a chunk; exact in bf16 up to 256) or <= N (the carry,
-    in float32: exact below 2^24). A traced (symbolic) N keeps the cumsum: the model's top-ks all
-    have a static N (the experts, the compressed entries of the state)."""
+    in float32: exact below 2^24).
+    A traced (symbolic) R or N keeps the cumsum. N: the model's top-ks all have a static one (the
+    experts, the state's compressed entries). R: a prefill's rows are of unknown divisibility, so
+    IREE 3.13 runs the GEMM without the matrix cores (bench/dynamic_gemm.py); the embedded default's
+    batched prefill was 8 % slower with it on the H200, its decode at batch 64 21 % faster (session 20)."""
     R, n = m.shape
-    if not isinstance(n, int):
+    if not (isinstance(n, int) and isinstance(R, int)):
         return m.float().cumsum(-1)
     c = min(chunk, n)
     nc = -(-n // c)
@@ -77,8 +79,10 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
     inner = torch.matmul(x, upper).float()  # [R, nc, c]
     if nc > 1:
         ic = torch.arange(nc, device=m.device)
-        before = (ic[:, None] < ic[None, :]).to(torch.float32)  # chunk a carries into every later chunk b
-        inner = inner + torch.matmul(inner[..., -1], before)[..., None]
+        # chunk b adds the totals of the chunks a < b: a select and a sum, not a GEMM (gfx942 fused a
+        # [R, nc] x [nc, nc] one with the sums above into a dispatch needing 257 KB of shared memory)
+        carry = torch.where(ic[None, :] < ic[:, None], inner[..., -1][:, None, :], 0.0).sum(-1)  # [R, nc]
+        inner = inner + carry[..., None]
     return inner.reshape(R, nc * c)[:, :n]
 
 
