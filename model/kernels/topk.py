@@ -59,9 +59,9 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
     = m.cumsum(-1), but as GEMMs with a triangular ones matrix: IREE compiles a cumsum to a scan run
     sequentially along the row (`scan_64x256xf32`: 30 % of the embedded default's decode step at
     batch 64 on the H200, session 20). Rows are cut into chunks of `chunk` entries: within a chunk
-    one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks. The operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and
-    every sum is an integer <= chunk (within a chunk; exact in bf16 up to 256) or <= N (the carry,
-    in float32: exact below 2^24).
+    one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks. The
+    operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and every sum is an integer
+    <= chunk (within a chunk; exact in bf16 up to 256) or <= N (the carry, in float32: exact below 2^24).
     A traced (symbolic) R or N keeps the cumsum. N: the model's top-ks all have a static one (the
     experts, the state's compressed entries). R: a prefill's rows are of unknown divisibility, so
     IREE 3.13 runs the GEMM without the matrix cores (bench/dynamic_gemm.py); the embedded default's
@@ -70,9 +70,9 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
     if not (isinstance(n, int) and isinstance(R, int)):
         return m.float().cumsum(-1)
     c = min(chunk, n)
-    nc = -(-n // c)
     if c > 256:
         raise ValueError(f"prefix_count: chunk {c} > 256 is not exact in bf16")
+    nc = -(-n // c)
     x = torch.nn.functional.pad(m.to(torch.bfloat16), (0, nc * c - n)).view(R, nc, c)
     i = torch.arange(c, device=m.device)
     upper = (i[:, None] <= i[None, :]).to(torch.bfloat16)  # [i, j]: entry i counts toward the sum at j
