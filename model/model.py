@@ -176,6 +176,15 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x[b, rows]
 
 
+def _get(state: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
+    """state[slots, layer] for a state tensor [n_slots, n_layers, ...], as a 1-D gather over the
+    flattened (slot, layer) rows. Not `state[slots, layer]`: that traces to a select of the layer
+    and then a gather, which IREE 3.13's GPU codegen (cuda and gfx942; llvm-cpu is right) compiles
+    with the slot stride of the selected view instead of the state's: slot s read the flattened row
+    s + layer, i.e. another slot's other layer (bench/slot_gather.py, docs/performance.md)."""
+    return state.flatten(0, 1)[slots * state.shape[1] + layer]
+
+
 def _set(state: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
     """Whole-tensor in-place write (export records it as an update of the state argument)."""
     state.index_put_(index, value.to(state.dtype))
@@ -290,13 +299,13 @@ class Indexer(nn.Module):
         if self.quant_sim:
             q = quant_sim.fp4_qdq(q, 32)
         g = torch.full_like(b.slots, st.group)
-        ring_k = state["idx_cmp_kv_r4"][b.slots, st.group]
-        ring_z = state["idx_cmp_score_r4"][b.slots, st.group]
+        ring_k = _get(state["idx_cmp_kv_r4"], b.slots, st.group)
+        ring_z = _get(state["idx_cmp_score_r4"], b.slots, st.group)
         ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos, sin)
         _set(state["idx_cmp_kv_r4"], (b.slots, g), new_k)
         _set(state["idx_cmp_score_r4"], (b.slots, g), new_z)
         _write_entries(state["idx_kv_r4"], b, st.group, ent, j, done)
-        keys = state["idx_kv_r4"][b.slots, st.group][:, :-1]  # [B,R,di] (scratch row dropped)
+        keys = _get(state["idx_kv_r4"], b.slots, st.group)[:, :-1]  # [B,R,di] (scratch row dropped)
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_vis = torch.div(b.pos + 1, 4, rounding_mode="floor")
         if aux is not None:  # training hook (see `aux`)
@@ -367,7 +376,7 @@ class Attention(nn.Module):
             kv = torch.cat([quant_sim.fp8_qdq(kv[..., :-rd], 64), kv[..., -rd:]], -1)
 
         # sliding window: the W positions p-W+1..p, read from the ring (before this call) or the chunk
-        ring = state["win_kv"][b.slots, st.window]
+        ring = _get(state["win_kv"], b.slots, st.window)
         qpos = b.pos[..., None] - torch.arange(W, device=x.device)  # [B,T,W]
         idx = torch.where(qpos >= 0, ring_rows(qpos, b.start, W, T), -1)
         sources = [ring, kv]
@@ -376,13 +385,13 @@ class Attention(nn.Module):
             m = self.ratio
             name = f"r{m}"
             g = torch.full_like(b.slots, st.group)
-            ring_k = state[f"cmp_kv_{name}"][b.slots, st.group]
-            ring_z = state[f"cmp_score_{name}"][b.slots, st.group]
+            ring_k = _get(state[f"cmp_kv_{name}"], b.slots, st.group)
+            ring_z = _get(state[f"cmp_score_{name}"], b.slots, st.group)
             ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos_t, sin_t)
             _set(state[f"cmp_kv_{name}"], (b.slots, g), new_k)
             _set(state[f"cmp_score_{name}"], (b.slots, g), new_z)
             _write_entries(state[f"kv_{name}"], b, st.group, ent, j, done)
-            cache = state[f"kv_{name}"][b.slots, st.group]  # [B,R+1,D], entries of this call included
+            cache = _get(state[f"kv_{name}"], b.slots, st.group)  # [B,R+1,D], entries of this call included
             R = cache.shape[1] - 1
             if m == 4:
                 sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
