@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv4.runtime.random_weights import bf16_bits
+
 S, L, W, D, LAYER = 64, 5, 8, 16, 3
 DTYPES = ("bfloat16", "float32")
 
@@ -25,7 +27,7 @@ def _reads():
     import torch
 
     return {
-        "select_index": lambda st, s: st[s, LAYER],  # what model.Attention does today: select, then index
+        "select_index": lambda st, s: st[s, LAYER],  # what the model did before bcb61e9: select, then index
         "two_index": lambda st, s: st[s, torch.full_like(s, LAYER)],
         "flat": lambda st, s: st.flatten(0, 1)[s * L + LAYER],
         "index_select": lambda st, s: st.index_select(0, s)[:, LAYER],
@@ -61,17 +63,10 @@ def build(out: Path, targets: list[str]) -> None:
     (out / "index.json").write_text(json.dumps(done, indent=1))
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> nearest bf16 (ties to even), as float32."""
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
-    return u.astype(np.uint32).view(np.float32)
-
-
 def _upload(rt, device, x: np.ndarray, dtype: str):
     if dtype == "float32":
         return rt.asdevicearray(device, np.ascontiguousarray(x, np.float32))
-    bits = np.ascontiguousarray((x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    bits = np.ascontiguousarray(bf16_bits(x))
     bv = device.allocator.allocate_buffer_copy(
         memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=device,
         buffer=bits, element_type=rt.HalElementType.BFLOAT_16)
@@ -92,7 +87,8 @@ def check(out: Path, device: str) -> int:
     target = {"cuda": "cuda", "local-task": "llvm-cpu", "hip": "gfx942"}[device]
     rng = np.random.default_rng(0)
     bad = 0
-    for fn, meta in json.loads((out / "index.json").read_text()).items():
+    functions = json.loads((out / "index.json").read_text())
+    for fn, meta in functions.items():
         vm = out / f"{fn}.{target}.vmfb"
         cfg = rt.Config(device)
         ctx = rt.SystemContext(config=cfg)
@@ -118,14 +114,14 @@ def check(out: Path, device: str) -> int:
                 new = _host_f32(res[1])
                 exp = st.copy(); exp[s, LAYER] = want + 1
                 if meta["dtype"] == "bfloat16":  # the +1 rounds to bf16 on the device (exact ties aside)
-                    exp = _bf16(exp)
+                    exp = (bf16_bits(exp).astype(np.uint32) << 16).view(np.float32)
                 if not np.array_equal(new, exp):
                     found.append(f"write-back wrong in {int((new != exp).any((2, 3)).sum())} (slot, layer) rings")
             if found:
                 wrong.append(f"slots {slots}: " + "; ".join(found))
         bad += bool(wrong)
         print(f"{fn:28s} {'OK' if not wrong else 'WRONG: ' + ' | '.join(wrong)}", flush=True)
-    print(f"{bad} of {len(json.loads((out / 'index.json').read_text()))} functions wrong on {device}")
+    print(f"{bad} of {len(functions)} functions wrong on {device}")
     return 1 if bad else 0
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 LOAD = re.compile(r"(%[\w.]+) = iree_tensor_ext\.dispatch\.tensor\.load %[\w.]+, offsets = \[([^\]]*)\], "
-                  r"sizes = \[([^\]]*)\], strides = \[([^\]]*)\] : !iree_tensor_ext\.dispatch\.tensor<readonly:tensor<([^>]*)>>"
+                  r"sizes = \[([^\]]*)\], strides = \[[^\]]*\] : !iree_tensor_ext\.dispatch\.tensor<readonly:tensor<([^>]*)>>"
                   r"(?:\{([^}]*)\})?")
 
 
@@ -26,7 +26,7 @@ def _dims(shape: str, dynamic: str | None) -> list[str]:
     return [next(dyn, "?") if d == "?" else d for d in shape.split("x")[:-1]]
 
 
-def contiguous(offsets: list[str], sizes: list[str], full: list[str]) -> bool:
+def contiguous(sizes: list[str], full: list[str]) -> bool:
     """A slice is one contiguous block when, after its outermost partial dim, every dim is whole
     (and before it every dim has size 1)."""
     partial = [i for i, (s, f) in enumerate(zip(sizes, full)) if s != f]
@@ -41,10 +41,10 @@ def scan(src: Path) -> list[str]:
     for f in sorted(src.glob("*.mlir")):
         text = f.read_text()
         for m in LOAD.finditer(text):
-            name, offs, sizes, strides, shape, dynamic = m.groups()
+            name, offs, sizes, shape, dynamic = m.groups()
             offs, sizes, full = ([o.strip() for o in offs.split(",")], [s.strip() for s in sizes.split(",")],
                                  _dims(shape, dynamic))
-            if contiguous(offs, sizes, full):
+            if contiguous(sizes, full):
                 continue
             if re.search(rf"tensor\.extract {re.escape(name)}\[", text):
                 found.append(f"{f.stem}: offsets [{', '.join(offs)}] sizes [{', '.join(sizes)}] of tensor<{shape}>")

@@ -4,6 +4,7 @@ exported prefill computes what eager computes (so the graph, not only the trace,
 import pytest
 import torch
 
+from dsv4.export.functionalize import _VIEW_OPS, _op
 from dsv4.model.config import ModelConfig
 from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
@@ -18,21 +19,17 @@ class Entry(torch.nn.Module):
         return self.model(tokens, start_pos, lengths, slots, state)
 
 
-_VIEWS = {"view", "reshape", "flatten", "unflatten", "expand", "unsqueeze", "squeeze", "alias", "permute",
-          "transpose", "slice", "select", "narrow"}
-
-
 def _strided_state_gathers(ep: torch.export.ExportedProgram) -> list[str]:
     """Gathers (aten.index) whose source is a select or slice of a state input: IREE 3.13's GPU
     codegen compiles such a gather with the view's strides (model._get; bench/slot_gather.py)."""
     states = {n for n in ep.graph.nodes if n.op == "placeholder" and "state" in n.name}
     bad = []
     for n in ep.graph.nodes:
-        if n.op != "call_function" or "index.Tensor" not in str(n.target):
+        if n.op != "call_function" or _op(n) != "index":
             continue
         src, path = n.args[0], []
-        while src.op == "call_function" and str(src.target).split(".")[1] in _VIEWS:
-            path.append(str(src.target).split(".")[1])
+        while src.op == "call_function" and _op(src) in _VIEW_OPS:
+            path.append(_op(src))
             src = src.args[0]
         if src in states and {"select", "slice", "narrow"} & set(path):
             bad.append(f"{n.name} <- {' <- '.join(path)} <- {src.name}")
@@ -54,8 +51,8 @@ def test_torch_export_prefill_and_decode():
                                                  "state": {k: None for k in st}})
         dec = torch.export.export(Entry(model), (torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                                  torch.ones(2, dtype=torch.long), torch.arange(2), st), strict=False)
-        assert not _strided_state_gathers(ep) and not _strided_state_gathers(dec), \
-            _strided_state_gathers(ep) + _strided_state_gathers(dec)
+        bad = _strided_state_gathers(ep) + _strided_state_gathers(dec)
+        assert not bad, bad
         toks = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
         a = (toks, torch.tensor([0, 0]), torch.tensor([37, 30]), torch.tensor([1, 0]))
         s1, s2 = new_state(cfg, 2, torch.float32), new_state(cfg, 2, torch.float32)
