@@ -190,6 +190,21 @@ def _set(state: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tens
     state.index_put_(index, value.to(state.dtype))
 
 
+SELECTION_MULTIPLE = 16
+
+
+def pad_selection(idx: torch.Tensor, multiple: int = SELECTION_MULTIPLE) -> torch.Tensor:
+    """idx [..., K] padded with -1 (no row) to a multiple of `multiple` entries: the same attention.
+    IREE 3.13's cuda code for the sparse-attention kernel returns the last row of a batch (B > 1)
+    non-finite when K is not a multiple of 16, with every input finite and equal across rows: Flash's
+    HCA layers at max_seq_len 256 have K = 130 (bench/sparse_attention_rows.py, docs/performance.md
+    session 22)."""
+    pad = -idx.shape[-1] % multiple
+    if not pad:
+        return idx
+    return torch.cat([idx, torch.full((*idx.shape[:-1], pad), -1, dtype=idx.dtype, device=idx.device)], -1)
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 
@@ -405,6 +420,7 @@ class Attention(nn.Module):
             sources.append(cache.to(kv.dtype))
 
         kvs = torch.cat(sources, 1)
+        idx = pad_selection(idx)
         o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
         out = self.wo_b(o.flatten(2))
 

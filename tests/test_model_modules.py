@@ -10,7 +10,7 @@ from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
 from dsv4.model.model import (Batch, Compressor, Gate, MoE, apply_rope, hc_head, hc_post, hc_pre, init_random,
-                              rope_table)
+                              pad_selection, rope_table)
 
 G = torch.Generator().manual_seed(1234)
 
@@ -177,6 +177,47 @@ def test_sparse_attention_with_sink():
     kv_poisoned[0, :] = float("nan")
     kv_poisoned[0, idx[0, 0, 0]] = kv[0, idx[0, 0, 0]]
     assert torch.isfinite(sparse_attention(q, kv_poisoned, idx, sink, 0.25)[0, 0]).all()
+
+
+def test_pad_selection_keeps_the_attention():
+    """idx padded with -1 to a multiple of 16 (IREE 3.13's cuda kernel broke the last row otherwise):
+    same entries first, -1 after, and the attention of the padded idx equals the unpadded one's."""
+    B, T, H, D, N = 2, 3, 4, 16, 40
+    q, kv, sink = randn(B, T, H, D), randn(B, N, D), randn(H)
+    for K in (1, 12, 16, 30, 33):
+        idx = torch.randint(-1, N, (B, T, K), generator=G)
+        p = pad_selection(idx)
+        assert p.shape == (B, T, -(-K // 16) * 16) and p.dtype == idx.dtype
+        assert torch.equal(p[..., :K], idx) and bool((p[..., K:] == -1).all())
+        # the op computes in float32; the padded entries add exact zeros, only the summation order moves
+        torch.testing.assert_close(sparse_attention(q, kv, p, sink, 0.25), sparse_attention(q, kv, idx, sink, 0.25),
+                                   atol=1e-6, rtol=1e-6)
+    same = idx[..., :16].contiguous()
+    assert pad_selection(same) is same
+
+
+def test_every_attention_call_gets_a_selection_of_16s(monkeypatch):
+    """Each layer kind (sliding, CSA, HCA, MTP) of the tiny preset, prefill and decode: the sparse
+    attention op only ever sees idx with a multiple of 16 entries (window 8 + top-4 = 12 before)."""
+    import dsv4.model.model as mm
+    from dsv4.model.state import new_state
+
+    seen = []
+    real = mm.sparse_attention
+
+    def spy(q, kv, idx, sink, scale):
+        seen.append(idx.shape[-1])
+        return real(q, kv, idx, sink, scale)
+
+    monkeypatch.setattr(mm, "sparse_attention", spy)
+    cfg = ModelConfig.preset("tiny")
+    model = init_random(mm.Transformer(cfg, dtype=torch.float32), seed=0, std=0.05).eval()
+    st = new_state(cfg, 2, torch.float32)
+    one = torch.ones(1, dtype=torch.long)
+    with torch.no_grad():
+        model(torch.arange(20)[None] % cfg.vocab_size, 0 * one, 20 * one, 0 * one, st)
+        model(torch.tensor([[3]]), 20 * one, one, 0 * one, st)
+    assert len(seen) >= 2 * cfg.n_layers and all(k % 16 == 0 for k in seen), seen
 
 
 def test_indexer_scores_and_exact_topk():

@@ -18,8 +18,9 @@ _F = (torch.float32, torch.bfloat16)
 # einsums below) returned NaN rows from Flash's first HCA layer on cuda in some builds (the last row of
 # decode_bs40/48/64), and no build with the kernel did (docs/real-size.md, sessions 12 and 16). It costs
 # the H200 decode time (Flash-4: +1.2 ms at batch 1, +3-4 % at 8-64; docs/performance.md); on llvm-cpu
-# it is as fast (embedded default, docs/performance.md session 17). A GPU export with --batch-invariant
-# keeps the reference (export/exporter.py _default_kernels).
+# it is as fast (embedded default, docs/performance.md session 17). Compiled alone, the kernel itself
+# returns a batch's last row non-finite on cuda when K is not a multiple of 16 (the reference was right
+# there): the model pads idx (model.pad_selection; bench/sparse_attention_rows.py, session 22).
 
 
 @kernel("sparse_attention",
