@@ -14,6 +14,8 @@ mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --target /t
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . 2>&1 | tail -2
 [ -f "$F"/model.cuda.vmfb ] || xz -d -T0 "$F"/model.cuda.vmfb.xz
 ls "$F"/*.irpa > /dev/null 2>&1 || python3 -m dsv4.runtime.cli weights random "$F" --seed 0 --jobs 16 | tail -1
+echo "== zero-state probe (the last-row fault of sessions 14-21: docs/performance.md, session 22), $(( $(date +%s) - T0 )) s"
+timeout -s KILL 120 python3 bench/nonfinite_probe.py "$F" --device cuda --zero-state --positions 1,2,3,16,100,200
 for s in 0 1; do
   echo "== NaN-row probe, seed $s, $(( $(date +%s) - T0 )) s"
   timeout -s KILL 90 python3 bench/nonfinite_probe.py "$F" --device cuda --requests 64 --tokens 16 --steps 3 --seed $s
