@@ -63,12 +63,17 @@ def build(out: Path, targets: list[str], cases: list[tuple[int, int]]) -> None:
     print(f"built {len(done)} functions x {len(targets)} targets in {out}")
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> their float32 values, exactly."""
+    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 -> bf16 bits (round to nearest even) as uint16, and the rounded values as float64."""
     from dsv4.runtime.random_weights import bf16_bits
 
     bits = bf16_bits(x.astype(np.float32))
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits, _bf16_values(bits).astype(np.float64)
 
 
 def reference(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, sink: np.ndarray) -> np.ndarray:
@@ -116,7 +121,7 @@ def check(out: Path, device: str) -> int:
             idx_d = np.broadcast_to(idx[None], (b, 1, k)).copy()
             res = f(q_d, kv_d, idx_d, sink)
             a = res if isinstance(res, np.ndarray) else res.to_host()
-            got = (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(b, H, D)
+            got = _bf16_values(a).reshape(b, H, D)
             err = np.abs(got - want[None]).max(axis=(1, 2)) / np.abs(want).max()
             nonfinite = [r for r in range(b) if not np.isfinite(got[r]).all()]
             wrong = [r for r in range(b) if not (err[r] < 1e-2)]
