@@ -363,7 +363,8 @@ def test_default_kernel_choices_per_target_set():
     layer's experts in f32 pass GATHER_COPY_LIMIT (Flash, not the embedded default); an export
     with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
     every reduction). Sparse attention's declared export lowering is its kernel (the reference's cuda
-    lowering made NaN rows at Flash dimensions); explicit choices and '*' are left alone."""
+    lowering made NaN rows at Flash dimensions), and so is grouped_linear's (wo_a: 1.6x a Flash-4 prefill on the
+    H200, session 23); explicit choices and '*' are left alone."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import GATHER_COPY_LIMIT, _default_kernels, routed_f32_bytes
     from dsv4.export.model_kernels import resolve_choices
@@ -379,7 +380,8 @@ def test_default_kernel_choices_per_target_set():
     assert _default_kernels(None, [cpu], BIG) == {"mxfp4_linear_gathered": "kernel"}
     assert _default_kernels(None, [cpu], routed_f32_bytes(small)) == {}
     for tgts in ([cpu], [cpu, cuda], [cpu, gfx], [cuda], [gfx, cuda]):  # [cpu, gfx]: the main job's export
-        assert resolve_choices(_default_kernels(None, tgts, BIG))["sparse_attention"] == "kernel"
+        choices = resolve_choices(_default_kernels(None, tgts, BIG))
+        assert choices["sparse_attention"] == "kernel" and choices["grouped_linear"] == "kernel"
     assert _default_kernels(None, [cpu, cuda], BIG) == {}
     assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu], BIG) == {"mxfp4_linear_gathered": "reference"}
     assert _default_kernels({"*": "reference"}, [cpu], BIG) == {"*": "reference"}
@@ -390,7 +392,8 @@ def test_default_kernel_choices_per_target_set():
 def test_batch_invariant_export_pads_the_gemm_rows():
     """--batch-invariant picks the kernel_rows16 form of every op that offers it (the dense GEMMs: the
     FP8 linears and f32_linear) and the routed experts' f32 form, and leaves sparse attention at its
-    kernel (bitwise across cuda batch sizes, docs/batch-invariance.md); an explicit --kernel choice wins."""
+    kernel (bitwise across cuda batch sizes, docs/batch-invariance.md) and wo_a at the einsum that check ran
+    with (grouped_linear's kernel is the default otherwise); an explicit --kernel choice wins."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import _default_kernels, routed_f32_bytes
     from dsv4.model.config import ModelConfig
@@ -399,7 +402,8 @@ def test_batch_invariant_export_pads_the_gemm_rows():
     BIG = routed_f32_bytes(ModelConfig.preset("flash"))
     assert _default_kernels(None, [cuda], BIG, batch_invariant=True) == {
         "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
-        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32"}  # sparse attention: its kernel, the op's default
+        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32",
+        "grouped_linear": "reference"}  # sparse attention: its kernel, the op's default
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], BIG, batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,

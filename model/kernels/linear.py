@@ -160,14 +160,14 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @kernel("grouped_linear", args={"x": "..., G, K", "weight": "G, N, K"}, results={"y": "..., G, N"},
-        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",))
+        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",),
+        export="kernel")
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
     wo_a, spec §3): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in f32 and pads a
-    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja), but it is opt-in
-    (`--kernel grouped_linear=kernel`): in a Flash-4 cuda export with 64 state slots, the kernel in the
-    prefill made every later decode_bs8 call return its last row non-finite, while the same export with
-    the einsum in prefill was clean (session 20, H200; cause inside IREE's code not found)."""
+    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja): on the H200 a Flash-4 prefill of
+    8 rows fills 1.6x faster with it, decode the same (session 23). Session 20 made it opt-in after a
+    non-finite decode row; that fault was sparse attention's (K not a multiple of 16, session 22)."""
     if weight.dtype != x.dtype or weight.dim() != 3 or x.shape[-2:] != (weight.shape[0], weight.shape[2]):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} ([..., G, K] and [G, N, K] of one dtype)")
