@@ -20,7 +20,10 @@ step (1/8 relative), so implementation noise is far above bf16's own 2^-8 (docs/
 With --reference-dtype float32 a third side, the eager model on the same weights with float32
 activations, is the yardstick for both bf16 sides: per step, whether each one's argmax equals it.
 The eager side maps the weights (model.checkpoint.load_irpa(mapped=True)), so it needs torch but
-no copy of the weights on the CPU. Exit status 1 when greedy differs.
+no copy of the weights on the CPU. Where the export traced a torch alternative of a hot spot
+(config.json's targets.<target>.kernels, e.g. `--kernel '*=weight_only'`: the quantized linears
+without activation quantization), eager runs the same alternative, so both sides compute one
+function; `moe_experts` follows --eager-moe instead. Exit status 1 when greedy differs.
 """
 
 from __future__ import annotations
@@ -44,10 +47,16 @@ class Eager:
 
         from dsv4.model.checkpoint import load_irpa
         from dsv4.model.config import ModelConfig
+        from dsv4.model.kernels import KERNELS
         from dsv4.model.model import empty_model
 
         c = eng.config
-        self.torch, self.device, self.n_slots, self.moe = torch, device, c.n_slots, moe
+        self.torch, self.device, self.n_slots = torch, device, c.n_slots
+        chosen = c.raw["targets"][eng.target].get("kernels", {})
+        self.alternatives = {op: KERNELS[op].alternatives[impl] for op, impl in chosen.items()
+                             if op != "moe_experts" and impl in KERNELS[op].alternatives}
+        if moe == "routed":
+            self.alternatives["moe_experts"] = KERNELS["moe_experts"].alternatives["routed"]
         self.cfg = ModelConfig.from_dict(c.model)
         self.act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[c.raw["activation_dtype"]]
         quantized = any(dt.startswith("float8") for _, _, dt in c.raw["weights"]["tensors"])
@@ -72,11 +81,9 @@ class Eager:
         torch = self.torch
         t = torch.from_numpy(tokens[None]).to(self.device)
         z = torch.zeros(1, dtype=torch.int64, device=self.device)
-        from contextlib import nullcontext
+        from dsv4.model.kernels import overrides
 
-        from dsv4.model.kernels.moe import routed_moe
-
-        with torch.no_grad(), routed_moe() if self.moe == "routed" else nullcontext():
+        with torch.no_grad(), overrides(self.alternatives):
             out = self.model(t, z + pos, z + len(tokens), z, self.state)
         return out[0].float().cpu().numpy()
 

@@ -85,3 +85,42 @@ def test_no_weights_export_has_config_and_vmfb_and_a_full_inventory(noweights_ex
     shapes = {k: s for k, s, _ in inv}
     cfg = ModelConfig.preset("tiny")
     assert shapes["model.embed.weight"] == [cfg.vocab_size, cfg.hidden_size]
+
+
+@pytest.fixture(scope="module")
+def weight_only_export() -> Path:
+    """tiny in the release format, fp32, --quant-sim off, every quantized linear as its `weight_only`
+    alternative; no weights at export, `dsv4 weights random` makes them (the GPU-host flow)."""
+    from dsv4.export.exporter import export_model
+    from dsv4.model.model import empty_model
+    from dsv4.runtime.cli import main
+
+    cfg = ModelConfig.preset("tiny", quant_sim=False)
+
+    def build(d: Path) -> None:
+        export_model(empty_model(cfg, torch.float32), cfg, d, targets=["llvm-cpu"], batch_sizes=[1],
+                     score=False, weights=None, kernels={"*": "weight_only"})
+        assert main(["weights", "random", str(d), "--seed", "5"]) == 0
+
+    return cached_export("weightonly-tiny", build, ["weight_only", cfg.to_dict()])
+
+
+def test_weight_only_export_equals_eager_to_fp32_rounding(weight_only_export: Path, tmp_path: Path) -> None:
+    """Issue 11's check in its continuous form: with no rounding to FP8/FP4 left in the model, the
+    compiled module and eager torch (bench/compiled_vs_eager.py, which runs the alternatives the export
+    chose) agree to fp32 summation order at every step, so greedy decoding is the same."""
+    import importlib.util
+
+    raw = json.loads((weight_only_export / "config.json").read_text())
+    chosen = raw["targets"]["llvm-cpu"]["kernels"]
+    assert {op for op, impl in chosen.items() if impl == "weight_only"} == {
+        "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
+    path = Path(__file__).parents[1] / "bench" / "compiled_vs_eager.py"
+    spec = importlib.util.spec_from_file_location("compiled_vs_eager", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cve.json"
+    rc = bench.main([str(weight_only_export), "--prompt-len", "40", "--steps", "12", "--json", str(out)])
+    summary = json.loads(out.read_text())["summary"]
+    assert rc == 0 and summary["greedy_equal"] and summary["argmax_agree"] == "13/13"
+    assert summary["max_rel_err"] < 1e-5, summary

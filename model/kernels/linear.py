@@ -89,6 +89,32 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     return block_qdq(xf.unflatten(-1, (nblk, block)), fp4=False).flatten(-2)[..., :k]
 
 
+# "weight_only": the quantized linears with the activation left in its float dtype (no FP8 activation
+# quantization), the weight decoded exactly as in the references. Not the release's numerics: a
+# verification mode. Activation quantization rounds ~10^5 values per token to e4m3, so one fp32
+# summation-order difference that moves a value across a rounding boundary changes its code by 1/8
+# and spreads through the next layers' roundings; on a random-weight Flash two correct paths (eager
+# prefilled in one chunk or two) end up percents apart. Without it (and with --quant-sim off) the model
+# is a continuous function and two implementations agree to their summation order, which is what
+# `dsv4 export --kernel '*=weight_only'` + bench/compiled_vs_eager.py checks (docs/real-size.md).
+
+
+def _fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), dequant_fp8_block(weight, scale, FP8_BLOCK)).to(x.dtype)
+
+
+def _mxfp4_weight_only(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), dequant_mxfp4(packed, scale)).to(x.dtype)
+
+
+def _fp8_stacked_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.float(), dequant_fp8_block(weight, scale, FP8_BLOCK).transpose(1, 2)).to(x.dtype)
+
+
+def _mxfp4_stacked_weight_only(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.float(), dequant_mxfp4(packed, scale).transpose(1, 2)).to(x.dtype)
+
+
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
     """FP8 weight [..., N, K] with block scale [..., ceil(N/128), ceil(K/128)] for x [..., K]; raises."""
     if weight.dtype not in FP8_FORMATS:
@@ -121,7 +147,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants=_GEMMS, trace_sizes=("...",), export="kernel")
+        mlir_variants=_GEMMS, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only}, export="kernel")
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -135,7 +161,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
 
 @kernel("mxfp4_linear", args={"x": "..., K", "packed": "N, KP", "scale": "N, KS"}, results={"y": "..., N"},
         static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]}, mlir=_MLIR,
-        mlir_variants=_MXFP4_GEMMS, export="kernel")
+        mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only}, export="kernel")
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 
@@ -195,7 +221,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), alternatives={"weight_only": _fp8_stacked_weight_only},
+        export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
@@ -206,7 +233,8 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
-        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, export="kernel")
+        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_stacked_weight_only},
+        export="kernel")
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
@@ -258,7 +286,7 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     scale[e]) up to fp32 summation order. One dequantize and one activation quantize for all E (the
     MoE reference: a per-expert loop traces E times as many graph nodes). A 3-D x goes through the
     stacked kernel hooks (one graph node each in export); a shared 2-D x (the eager all-experts
-    reference) is quantized once and broadcast."""
+    reference) is broadcast to [E, N, K] (a view), so both forms run the same hooks."""
     if weight.dim() != 3:
         raise ValueError(f"stacked_linear: weight must be [E, O, K], got {tuple(weight.shape)}")
     if weight.dtype in FP8_FORMATS or weight.dtype in (torch.uint8, torch.int8):
@@ -266,12 +294,11 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             raise TypeError(f"stacked_linear: {weight.dtype} weight needs its scale")
         fp8 = weight.dtype in FP8_FORMATS
         (_check_fp8 if fp8 else _check_mxfp4)(x, weight, scale, "stacked_linear")
-        if x.dim() == 3:
-            if x.shape[0] != weight.shape[0]:
-                raise ValueError(f"stacked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in E")
-            return (fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked)(x, weight, scale)
-        w = dequant_fp8_block(weight, scale, FP8_BLOCK) if fp8 else dequant_mxfp4(weight, scale)
-        return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
+        if x.dim() == 3 and x.shape[0] != weight.shape[0]:
+            raise ValueError(f"stacked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in E")
+        if x.dim() == 2:  # a view: the hook quantizes E copies, a few MB beside the E decoded weights
+            x = x.expand(weight.shape[0], *x.shape)
+        return (fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked)(x, weight, scale)
     if weight.dtype in _PLAIN_DTYPES:
         if scale is not None:
             raise TypeError(f"stacked_linear: a scale was given for an unquantized {weight.dtype} weight")
