@@ -283,8 +283,8 @@ def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a stack of weights at once: x [N, K] or [E, N, K], weight [E, O, K(/2)] in any format
     `linear` takes (scales stacked [E, ...]) -> [E, N, O] in x.dtype; out[e] == linear(x or x[e], weight[e],
-    scale[e]) up to fp32 summation order. One dequantize and one activation quantize for all E (the
-    MoE reference: a per-expert loop traces E times as many graph nodes). A 3-D x goes through the
+    scale[e]) up to fp32 summation order. One dequantize for all E (the MoE reference: a per-expert loop
+    traces E times as many graph nodes). A 3-D x goes through the
     stacked kernel hooks (one graph node each in export); a shared 2-D x (the eager all-experts
     reference) is broadcast to [E, N, K] (a view), so both forms run the same hooks."""
     if weight.dim() != 3:
