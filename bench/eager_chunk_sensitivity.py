@@ -35,15 +35,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from dsv4.model.checkpoint import load_irpa
     from dsv4.model.config import ModelConfig
-    from dsv4.model.kernels import KERNELS, overrides
+    from contextlib import nullcontext
+
+    from dsv4.model.kernels.linear import weight_only_linears
+    from dsv4.model.kernels.moe import routed_moe
     from dsv4.model.model import empty_model
     from dsv4.model.state import new_state
 
     out = Path(args.out)
     raw = json.loads((out / "config.json").read_text())
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[raw["activation_dtype"]]
-    weight_only = {op: k.alternatives["weight_only"] for op, k in KERNELS.items() if "weight_only" in k.alternatives}
-    routed = {"moe_experts": KERNELS["moe_experts"].alternatives["routed"]}
     n = args.prompt_len
     ids = torch.from_numpy(np.random.default_rng(args.seed).integers(2, raw["model"]["vocab_size"], size=n))
     cuts = {"1 chunk": [0, n], "2 chunks": [0, n // 2, n], "3 chunks": [0, n // 3, (2 * n) // 3 + 1, n]}
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         z = torch.zeros(1, dtype=torch.long, device=args.device)
         for act_quant in (True, False):
             logits = {}
-            with torch.no_grad(), overrides({**routed, **({} if act_quant else weight_only)}):
+            with torch.no_grad(), routed_moe(), nullcontext() if act_quant else weight_only_linears():
                 for name, c in cuts.items():
                     st = new_state(cfg, 1, dtype, device=args.device)
                     for a, b in zip(c[:-1], c[1:]):

@@ -235,13 +235,13 @@ def test_stacked_linear_and_quantized_moe_vs_float64(fmt, weight_only):
     the act qdq and the fp32 result must match float64 to summation order, with no FP8 flips."""
     from contextlib import nullcontext
 
-    from dsv4.model.kernels import KERNELS, overrides
-    from dsv4.model.kernels.linear import stacked_linear
+    from dsv4.model.kernels import KERNELS
+    from dsv4.model.kernels.linear import stacked_linear, weight_only_linears
     from dsv4.model.kernels.moe import moe_experts
 
-    alts = {op: k.alternatives["weight_only"] for op, k in KERNELS.items() if "weight_only" in k.alternatives}
-    assert set(alts) == {"fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
-    mode = overrides(alts) if weight_only else nullcontext()
+    alts = {op for op, k in KERNELS.items() if "weight_only" in k.alternatives}
+    assert alts == {"fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
+    mode = weight_only_linears() if weight_only else nullcontext()
 
     g = torch.Generator().manual_seed({"fp8": 1, "fp4": 2, "plain": 3}[fmt])
     E, d, inter, N, limit = 5, 256, 128, 6, 2.0

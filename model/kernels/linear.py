@@ -33,6 +33,7 @@ switches the KV / indexer simulations): FP8 activations are part of the referenc
 from __future__ import annotations
 
 import math
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +46,12 @@ from ..formats import (
     dequant_fp8_block,
     dequant_mxfp4,
 )
-from . import kernel
+from . import KERNELS, kernel, overrides
 from .qdq import FP8_AMAX_FLOOR, block_qdq
 
 __all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "grouped_linear", "fp8_block_linear", "mxfp4_linear",
            "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
-           "ACT_AMAX_FLOOR"]
+           "ACT_AMAX_FLOOR", "weight_only_linears"]
 
 ACT_AMAX_FLOOR = FP8_AMAX_FLOOR  # the reference act_quant's amax floor
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -99,20 +100,20 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
 # `dsv4 export --kernel '*=weight_only'` + bench/compiled_vs_eager.py checks (docs/real-size.md).
 
 
+# One function per format serves both the [N, K] and the stacked [E, N, K] hooks (matmul broadcasts).
 def _fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), dequant_fp8_block(weight, scale, FP8_BLOCK)).to(x.dtype)
+    return torch.matmul(x.float(), dequant_fp8_block(weight, scale, FP8_BLOCK).transpose(-1, -2)).to(x.dtype)
 
 
 def _mxfp4_weight_only(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), dequant_mxfp4(packed, scale)).to(x.dtype)
+    return torch.matmul(x.float(), dequant_mxfp4(packed, scale).transpose(-1, -2)).to(x.dtype)
 
 
-def _fp8_stacked_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(x.float(), dequant_fp8_block(weight, scale, FP8_BLOCK).transpose(1, 2)).to(x.dtype)
-
-
-def _mxfp4_stacked_weight_only(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(x.float(), dequant_mxfp4(packed, scale).transpose(1, 2)).to(x.dtype)
+def weight_only_linears() -> ContextManager[None]:
+    """Context: every quantized linear hook runs its `weight_only` alternative (eager's side of an export
+    made with `--kernel '*=weight_only'`)."""
+    return overrides({name: k.alternatives["weight_only"] for name, k in KERNELS.items()
+                      if "weight_only" in k.alternatives})
 
 
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
@@ -221,7 +222,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), alternatives={"weight_only": _fp8_stacked_weight_only},
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), alternatives={"weight_only": _fp8_weight_only},
         export="kernel")
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
@@ -233,7 +234,7 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
-        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_stacked_weight_only},
+        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only},
         export="kernel")
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
