@@ -77,7 +77,7 @@ def _device_state(mod, spec, host: np.ndarray):
     """`host` (raw storage, as _state_values gives it) as a device array of the state's element type."""
     import iree.runtime as rt
 
-    from dsv4.runtime.artifact import DTYPES
+    from dsv4.contract.artifact import DTYPES
 
     storage, et = DTYPES[spec.dtype]
     bv = mod.device.allocator.allocate_buffer_copy(
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv4.model.kernels.moe import routed_moe
     from dsv4.model.model import empty_model
     from dsv4.model.state import state_spec
-    from dsv4.runtime.artifact import PARAM_SCOPE, ExportConfig
+    from dsv4.contract.artifact import PARAM_SCOPE, ExportConfig
     from dsv4.runtime.module import IreeModule
 
     exp = ExportConfig.load(args.out, weights=not args.build_only)

@@ -59,7 +59,7 @@ def prepare(out: Path, target: str) -> None:
 
 def _bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 (nearest even), kept as float32."""
-    from dsv4.runtime.random_weights import bf16_bits
+    from dsv4.contract.random_weights import bf16_bits
 
     return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4.runtime.random_weights import bf16_bits
+from dsv4.contract.random_weights import bf16_bits
 
 S, L, W, D, LAYER = 64, 5, 8, 16, 3
 DTYPES = ("bfloat16", "float32")

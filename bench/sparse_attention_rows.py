@@ -70,7 +70,7 @@ def _bf16_values(bits: np.ndarray) -> np.ndarray:
 
 def _bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 -> bf16 bits (round to nearest even) as uint16, and the rounded values as float64."""
-    from dsv4.runtime.random_weights import bf16_bits
+    from dsv4.contract.random_weights import bf16_bits
 
     bits = bf16_bits(x.astype(np.float32))
     return bits, _bf16_values(bits).astype(np.float64)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.utils import counters
 
     from dsv4.model.bench_torch import TorchBackend
-    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
     from dsv4.runtime.bench import build_parser, make_plan
 
     cfg = ExportConfig.load(args.out)

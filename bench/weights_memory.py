@@ -23,7 +23,7 @@ from pathlib import Path
 def shards(out: Path) -> None:
     import numpy as np
 
-    from dsv4.runtime.weights import write_shards
+    from dsv4.contract.weights import write_shards
 
     def gen():
         for i in range(8):
@@ -40,7 +40,7 @@ def config(out: Path, layers: int) -> None:
     from dsv4.model.checkpoint import param_inventory
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
-    from dsv4.runtime.weights import SHARD_BYTES, planned_names
+    from dsv4.contract.weights import SHARD_BYTES, planned_names
 
     full = ModelConfig.preset("flash")
     cfg = full.replace(num_hidden_layers=layers, num_hash_layers=min(full.num_hash_layers, layers),
@@ -66,7 +66,7 @@ def checkpoint(src: Path, ckpt: Path) -> None:
 
     from dsv4.model.checkpoint import write_checkpoint
     from dsv4.model.config import ModelConfig
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.weights import open_weights
 
     cfg = ModelConfig.from_dict(json.loads((src / "config.json").read_text())["model"])
     w = open_weights(sorted(glob.glob(f"{src}/model-*.irpa")))
@@ -84,7 +84,7 @@ def stream(ckpt: Path, out: Path, fnuz: bool) -> None:
     from dsv4.model.checkpoint import checkpoint_tensors, open_checkpoint
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
-    from dsv4.runtime.weights import write_shards
+    from dsv4.contract.weights import write_shards
 
     ck = open_checkpoint(ckpt)
     with torch.device("meta"):

@@ -142,7 +142,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
-    from dsv4.runtime.artifact import check_out_dir
+    from dsv4.contract.artifact import check_out_dir
 
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import ExportError, export_model
@@ -184,7 +184,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                                     expert_dtype=args.expert_dtype)
             weights = None if args.no_weights else (lambda specs, fp8: checkpoint_tensors(ckpt, model, fp8))
         else:
-            from dsv4.runtime.random_weights import random_tensors
+            from dsv4.contract.random_weights import random_tensors
 
             cfg = ModelConfig.preset(args.preset, **overrides)
             cfg = cfg if args.layers is None else cfg.first_layers(args.layers)

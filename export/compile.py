@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from dsv4.runtime.artifact import TARGET_DRIVERS
+from dsv4.contract.artifact import TARGET_DRIVERS
 
 __all__ = [
     "DEFAULT_TARGET",

@@ -20,7 +20,7 @@ The state is passed as separate arguments in `state_spec` order and updated in p
 write scratch rows, so they pad batches; slots within one call must be distinct.
 
 The directory's contract (config.json fields, entry-point ABI, target -> driver) is defined once
-in the torch-free ``dsv4.runtime.artifact``, which the engine reads with. The export is built in a
+in the torch-free ``dsv4.contract.artifact``, which the engine reads with. The export is built in a
 temporary directory beside ``out_dir`` and moved into place only when complete, so a failed
 re-export leaves a working export as it was; a non-empty directory that is not a dsv4 export is
 refused unless ``force``.
@@ -53,7 +53,7 @@ from torch import nn
 if TYPE_CHECKING:
     import numpy as np
 
-from dsv4.runtime.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
+from dsv4.contract.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
                                    SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
                                    write_config)
 
@@ -541,7 +541,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     (with the stage timings under "_timings", removed by the caller)."""
     from dsv4.model.checkpoint.irpa import param_inventory
     from dsv4.model.state import StateLayout, state_spec
-    from dsv4.runtime.weights import SHARD_BYTES
+    from dsv4.contract.weights import SHARD_BYTES
 
     from .pipeline import Stage, pipeline_layout, stage_bounds
 
@@ -675,7 +675,7 @@ def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, who
     """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
     the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. The
     model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors)."""
-    from dsv4.runtime.weights import SHARD_BYTES, checked, planned_names, write_shards
+    from dsv4.contract.weights import SHARD_BYTES, checked, planned_names, write_shards
 
     if weights is None:
         files = planned_names(specs, prefix, SHARD_BYTES)

@@ -8,7 +8,7 @@ moves the residual streams `[B,T,hc,d]` through host memory once per call (runti
 `PipelineModule`), which needs no peer access between the GPUs: IREE 3.13's CUDA driver has none, so
 this is how an export runs on two or more H200s (docs/scale.md). Each stage owns the state of its
 layers only (model/state.py `StateLayout.stage`), named ``stage{k}.<tensor>`` in config.json
-(runtime/artifact.py `stage_state_name`: the naming is part of the export contract).
+(contract/artifact.py `stage_state_name`: the naming is part of the export contract).
 
 The streams cross as float32: the model carries them in its activation dtype (bf16 or fp32), both
 exactly representable in fp32, so the split changes no bit of any result (tests/test_multidevice.py).

@@ -23,7 +23,7 @@ way: no collective library is involved). Layout (`LAYOUT`, recorded in config.js
 
 Parameter keys: a split tensor ``<module>.<name>`` becomes N tensors ``<module>.shards.{d}.<name>``
 (attention heads: ``<attn>.head_shards.shards.{d}.<name>``), each along dim 0; that naming is part
-of the export contract (runtime/artifact.py: `SHARD_SPLITS`, `shard_tensors` cuts a stream of whole
+of the export contract (contract/artifact.py: `SHARD_SPLITS`, `shard_tensors` cuts a stream of whole
 tensors, a checkpoint or random weights, the same way).
 """
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from dsv4.model.kernels.linear import f32_linear
 from dsv4.model.model import Attention, Experts, Linear, gather_rows
-from dsv4.runtime.artifact import SHARD_SPLITS, shard_key, shard_tensors
+from dsv4.contract.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
 __all__ = ["LAYOUT", "SHARD_SPLITS", "check_devices", "layout", "sharded", "shard_key", "shard_tensors",
            "to_device"]

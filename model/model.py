@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import quant_sim
+from .quant import sim as quant_sim
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
 from .kernels.linear import f32_linear, grouped_linear, linear
@@ -711,9 +711,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized
 @torch.no_grad()
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
     """Random weights in the spirit of HF's _init_weights (spec §5.2); float weights only. Which
-    parameter gets what is `init_rule` (dsv4.runtime.random_weights: the torch-free `dsv4 weights
+    parameter gets what is `init_rule` (dsv4.contract.random_weights: the torch-free `dsv4 weights
     random` follows the same rules)."""
-    from ..runtime.random_weights import init_rule
+    from dsv4.contract.random_weights import init_rule
 
     g = torch.Generator().manual_seed(seed)
     cfg = model.cfg

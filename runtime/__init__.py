@@ -6,9 +6,9 @@
 
 Public names (imported lazily, so ``import dsv4.runtime`` loads nothing heavy):
 Engine, SamplingParams, GenerationResult, StreamChunk, ScoreResult, EngineError, ArtifactError,
-RequestError, ExportConfig. Modules: engine (requests, step loop), artifact (the export
-directory's contract), module (the IREE context), weights (sharded .irpa files), random_weights
-(`dsv4 weights random`), batching, text, sampling.
+RequestError, ExportConfig. Modules: engine (requests, step loop), module (the IREE context),
+batching, text, sampling. The export directory's contract (config.json, the .irpa shards, the
+errors) is dsv4.contract, below this package.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ __all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamChunk", "Score
            "ArtifactError", "RequestError", "ExportConfig"]
 
 _WHERE = {
-    "Engine": "engine", "GenerationResult": "engine", "StreamChunk": "engine", "ScoreResult": "engine",
-    "SamplingParams": "sampling", "EngineError": "errors", "ArtifactError": "errors", "RequestError": "errors",
-    "ExportConfig": "artifact",
+    "Engine": ".engine", "GenerationResult": ".engine", "StreamChunk": ".engine", "ScoreResult": ".engine",
+    "SamplingParams": ".sampling", "EngineError": "dsv4.contract.errors", "ArtifactError": "dsv4.contract.errors",
+    "RequestError": "dsv4.contract.errors", "ExportConfig": "dsv4.contract.artifact",
 }
 
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     mod = _WHERE.get(name)
     if mod is None:
         raise AttributeError(f"module 'dsv4.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
 

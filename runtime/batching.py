@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
-from .errors import EngineError
+from dsv4.contract.errors import EngineError
 
 __all__ = ["SlotAllocator", "pick_batch_size", "pad_rows", "plan_calls"]
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .artifact import state_stage, whole_key
+from dsv4.contract.artifact import state_stage, whole_key
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table"]
@@ -188,7 +188,7 @@ def copy_bandwidth(hal_device: Any, nbytes: int, repeats: int = 10) -> float:
 # roofline: the bytes one decode step must read
 def parameter_sizes(irpa: Sequence[Path]) -> dict[str, int]:
     """{parameter name: bytes} of the .irpa shards (names without the 'model.' key prefix)."""
-    from .weights import open_weights
+    from dsv4.contract.weights import open_weights
 
     w = open_weights(irpa)
     return {k.removeprefix("model."): w.nbytes(k) for k in w}
@@ -470,7 +470,7 @@ def _free_torch_memory() -> None:
 
 def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Measure everything the arguments ask for (one line per result to `progress`); returns the report."""
-    from .artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
 
     cfg = ExportConfig.load(args.export_dir)
     plan = make_plan(args, cfg)

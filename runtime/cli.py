@@ -43,7 +43,7 @@ def cmd_eager(args: argparse.Namespace) -> int:
         model = load_checkpoint(ckpt, dtype=torch.bfloat16)
         what = f"checkpoint {ckpt}"
         if (Path(ckpt) / "tokenizer.json").is_file():
-            from dsv4.model.tokenizer import decode, encode, load_tokenizer
+            from dsv4.contract.tokenizer import decode, encode, load_tokenizer
 
             tok = load_tokenizer(Path(ckpt) / "tokenizer.json")
     if args.prompt_ids is not None:
@@ -72,8 +72,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_weights(args: argparse.Namespace) -> int:
     """`dsv4 weights random OUT`: random weights for every .irpa file OUT/config.json names (torch-free)."""
-    from .errors import EngineError
-    from .random_weights import write_random_weights
+    from dsv4.contract.errors import EngineError
+    from dsv4.contract.random_weights import write_random_weights
 
     if args.jobs < 1:
         print(f"dsv4 weights: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)

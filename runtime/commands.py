@@ -29,7 +29,7 @@ def _fail(cmd: str, err: Exception) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt (text to stdout as it is produced, or one JSON object)."""
     from .engine import Engine
-    from .errors import EngineError, RequestError
+    from dsv4.contract.errors import EngineError, RequestError
     from .sampling import SamplingParams
 
     try:
@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_score(args: argparse.Namespace) -> int:
     """Per-token log-probabilities and perplexity of a text or id sequence."""
     from .engine import Engine
-    from .errors import EngineError, RequestError
+    from dsv4.contract.errors import EngineError, RequestError
 
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,

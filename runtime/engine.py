@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import ExportConfig, target_for_device
+from dsv4.contract.artifact import ExportConfig, target_for_device
 from .batching import SlotAllocator, plan_calls
-from .errors import ArtifactError, EngineError, RequestError
+from dsv4.contract.errors import ArtifactError, EngineError, RequestError
 from .module import IreeModule, PipelineModule
 from .sampling import SamplingParams, make_rng, sample_token, token_logprobs
 from .text import IncrementalDecoder, StopMatcher, TextCodec

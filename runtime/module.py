@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb, state_stage
-from .errors import ArtifactError, EngineError
+from dsv4.contract.artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb, state_stage
+from dsv4.contract.errors import ArtifactError, EngineError
 
 __all__ = ["IreeModule", "PipelineModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
 
@@ -278,7 +278,7 @@ def _open_devices(rt: Any, driver: str, index: int, n: int) -> list[Any]:
 
 
 def _check_parameters(index: Any, expect: Sequence[TensorSpec], paths: Sequence[Path]) -> None:
-    from .weights import check_weights
+    from dsv4.contract.weights import check_weights
 
     problems = check_weights({k: int(e.length) for k, e in index.items()}, expect)
     if problems:

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .errors import ArtifactError, EngineError, RequestError
+from dsv4.contract.errors import ArtifactError, EngineError, RequestError
 
 __all__ = ["TextCodec", "StopMatcher", "IncrementalDecoder"]
 

@@ -23,15 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def graph_sources() -> list[Path]:
     """Every file that can change an exported graph or its parameters: the model package (the
-    checkpoint loaders included, minus its assets) and the exporter, Python and MLIR templates."""
+    checkpoint loaders included, minus its assets), the exporter and the contract (config.json and the .irpa
+    shards), Python and MLIR templates."""
     files = []
-    for top in ("model", "export"):
+    for top in ("contract", "model", "export"):
         for f in (REPO / top).rglob("*"):
             rel = f.relative_to(REPO)
             if (f.suffix == ".py" or ".mlir" in f.name) and "assets" not in rel.parts and "__pycache__" not in rel.parts:
                 files.append(f)
-    # artifact.py writes config.json, weights.py / random_weights.py the .irpa shards
-    return sorted([*files, *(REPO / "runtime" / f for f in ("artifact.py", "weights.py", "random_weights.py"))])
+    return sorted(files)
 
 
 def export_key(key_parts: Iterable[Any]) -> str:

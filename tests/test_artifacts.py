@@ -1,4 +1,4 @@
-"""The export directory's contract (dsv4.runtime.artifact): config writer/reader, the staged build
+"""The export directory's contract (dsv4.contract.artifact): config writer/reader, the staged build
 that replaces OUT only on success, structural checks of .irpa / .vmfb, corrupt artifacts through
 the `dsv4` command (one line naming the file, rc 2), incremental detokenization, public imports.
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, ExportConfig
-from dsv4.runtime.artifact import (FORMAT, build_config, check_irpa, check_out_dir, check_vmfb, is_export_dir,
+from dsv4.contract.artifact import (FORMAT, build_config, check_irpa, check_out_dir, check_vmfb, is_export_dir,
                                    staged_export, write_config)
 from dsv4.runtime.text import IncrementalDecoder, StopMatcher
 
@@ -344,9 +344,9 @@ def test_each_weight_group_is_labelled_with_the_fp8_flavour_its_files_hold(order
     from dsv4.export import exporter
     from dsv4.export.compile import CompileResult
     from dsv4.model.config import ModelConfig
-    from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.model.quant.formats import fp8_fn_to_fnuz
     from dsv4.model.model import Transformer
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.weights import open_weights
 
     monkeypatch.setattr(exporter, "_build_mlir", lambda *a, **k: a[9].write_text("module {}"))
     monkeypatch.setattr(exporter, "compile_mlir", lambda mlir, target, vmfb, extra=(), log_path=None: (

@@ -152,7 +152,7 @@ def test_ncu_kernel_table_per_step_arithmetic() -> None:
 
 def test_step_bytes_matches_a_hand_count() -> None:
     from dsv4.runtime.bench import step_bytes
-    from dsv4.runtime.artifact import StateSpec
+    from dsv4.contract.artifact import StateSpec
 
     model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
     params = {"embed.weight": 100 * 10 * 2, "layers.0.ffn.experts.w1": 8 * 1000, "layers.0.attn.wq": 500,

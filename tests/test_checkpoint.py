@@ -56,7 +56,7 @@ from dsv4.model.checkpoint.load import _no_param_init
 from dsv4.model.config import ConfigError, ModelConfig
 from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
-from dsv4.model.tokenizer import load_tokenizer
+from dsv4.contract.tokenizer import load_tokenizer
 from dsv4.train.tokenizer import corpus_tokenizer
 
 S = 40  # crosses the window (8) five times, ratio-4 entries ten times, ratio-16 entries twice

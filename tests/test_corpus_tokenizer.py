@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dsv4.model.tokenizer import (
+from dsv4.contract.tokenizer import (
     BOS_ID,
     BOS_TOKEN,
     EOS_ID,
@@ -141,7 +141,7 @@ def test_tokenizer_training_deterministic(small_train, tok, tmp_path):
     # Another process (other hash seed, one Rayon thread) must give the same bytes.
     code = (
         "import sys\n"
-        "from dsv4.model.tokenizer import save_tokenizer\n"
+        "from dsv4.contract.tokenizer import save_tokenizer\n"
         "from dsv4.train.corpus import build_corpus\n"
         "from dsv4.train.tokenizer import train_tokenizer\n"
         f"docs = list(build_corpus().train_docs[:{len(small_train)}])\n"

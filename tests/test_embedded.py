@@ -25,7 +25,7 @@ from conftest import cached_export
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
 from dsv4.model.generate import greedy
 from dsv4.model.state import new_state
-from dsv4.model.tokenizer import encode, load_tokenizer
+from dsv4.contract.tokenizer import encode, load_tokenizer
 from dsv4.train.corpus import DOC_SEPARATOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,7 +121,7 @@ def test_a_planted_fp8_encoding_bug_breaks_the_bound(windows, ppl_fp8):
     """The classic MI300X bug: e4m3fn weights re-encoded as e4m3fnuz bytes but the block scale left
     as it was (fnuz values are half the fn values of the same bits, so every weight is halved).
     The bound above must see it. (Reading fn bytes as fnuz outright gives NaN from the 0x80 codes.)"""
-    from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.model.quant.formats import fp8_fn_to_fnuz
 
     bad = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16)
     n = 0
@@ -199,7 +199,7 @@ def test_gfx942_gets_the_fnuz_weights(export_dir, engine, fp8_model):
     names the model.fnuz-* shards for gfx942 only, Engine resolves them, and they hold exactly the
     e4m3fnuz re-encoding of every FP8 weight (same bits, block scale x2) while the model-* shards hold the
     checkpoint's e4m3fn bytes. Swapping the two archives fails here."""
-    from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.model.quant.formats import fp8_fn_to_fnuz
 
     targets = engine.config.targets
     fn_files, fnuz_files = engine.config.parameters, engine.config.parameters_for("gfx942")

@@ -1,4 +1,4 @@
-"""model/formats.py against independent references: the formats' definitions evaluated in float64
+"""model/quant/formats.py against independent references: the formats' definitions evaluated in float64
 Python, nearest-value rounding by exhaustive search (ties to the even code), torch's own dtypes,
 and hand-written known answers."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4.model.formats import (
+from dsv4.model.quant.formats import (
     E4M3FN,
     E4M3FNUZ,
     FormatError,

@@ -17,7 +17,7 @@ import torch
 from dsv4.model.checkpoint import CheckpointError, checkpoint_tensors, load_checkpoint
 from dsv4.model.checkpoint.write import write_checkpoint
 from dsv4.model.config import ModelConfig
-from dsv4.model.formats import dequant_fp8_block, dequant_mxfp4
+from dsv4.model.quant.formats import dequant_fp8_block, dequant_mxfp4
 from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 
@@ -80,7 +80,7 @@ def test_a_block_that_would_round_is_refused(ckpt: Path, tmp_path: Path) -> None
 
 def _run_export(out: Path, steps: int = 4) -> list[np.ndarray]:
     """Logits of a 40-token prefill and `steps` greedy decode steps of one llvm-cpu export."""
-    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
     from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 
     ensure_runtime_flags()

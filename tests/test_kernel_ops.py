@@ -20,7 +20,7 @@ from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executabl
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.export.model_kernels import MODEL_OPS, use_kernels
 from dsv4.model import kernels as mk
-from dsv4.model.formats import fp8_fn_to_fnuz
+from dsv4.model.quant.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, grouped_linear, mxfp4_linear,
                                        mxfp4_linear_gathered, mxfp4_linear_stacked)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsv4.model import quant_sim
+from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention

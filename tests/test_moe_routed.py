@@ -135,7 +135,7 @@ def test_eager_gathered_linear_bounds_its_decoded_copies(monkeypatch):
     ~570 experts: 19 GB of f32 at once ran a 141 GB GPU out of memory beside the compiled module);
     the chunks' results are the one-shot result bit for bit, and a float64 product of the decoded
     operands within fp32 summation error."""
-    from dsv4.model.formats import dequant_mxfp4
+    from dsv4.model.quant.formats import dequant_mxfp4
     from dsv4.model.kernels import linear as lin
 
     g = torch.Generator().manual_seed(3)

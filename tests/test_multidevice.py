@@ -37,7 +37,7 @@ def _export(n: int, pipeline: bool = False) -> Path:
 
     from dsv4.export.exporter import export_model
     from dsv4.model.model import empty_model
-    from dsv4.runtime.random_weights import random_tensors
+    from dsv4.contract.random_weights import random_tensors
 
     cfg = _cfg()
     # N = 2 also compiles the MI300X module (hip x 2; its FP8 weights are the e4m3fnuz flavour)
@@ -95,7 +95,7 @@ def test_n_devices_equal_one_device(multidev_exports: dict[int, Path], n: int) -
 
 @pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_multidevice_config_records_layout_and_per_device_weights(multidev_exports: dict[int, Path]) -> None:
-    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
 
     d = _get(multidev_exports, 2)
     raw = json.loads((d / "config.json").read_text())
@@ -123,7 +123,7 @@ def test_multidevice_config_records_layout_and_per_device_weights(multidev_expor
 @pytest.mark.slow  # compiles (or reads) the cached multi-device exports
 def test_engine_refuses_a_device_count_the_export_was_not_built_for(multidev_exports: dict[int, Path]) -> None:
     from dsv4.runtime.engine import Engine
-    from dsv4.runtime.errors import EngineError
+    from dsv4.contract.errors import EngineError
 
     with pytest.raises(EngineError, match="exported for 2 device"):
         Engine(_get(multidev_exports, 2), devices=1)
@@ -134,7 +134,7 @@ def test_two_device_module_compiles_for_gfx942(multidev_exports: dict[int, Path]
     """The MI300X path (hip x 2): compiled only (nothing here runs it); the vmfb holds gfx942 code and
     reads per-device e4m3fnuz weights."""
     from dsv4.export.compile import vmfb_executables
-    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
 
     d = _get(multidev_exports, 2)
     cfg = ExportConfig.load(d)
@@ -200,7 +200,7 @@ def test_sharded_model_parameters_are_the_contracts_per_device_inventory(n: int)
     from dsv4.export.sharding import check_devices, sharded
     from dsv4.model.checkpoint.irpa import param_inventory
     from dsv4.model.model import empty_model
-    from dsv4.runtime.artifact import shard_inventory, whole_inventory
+    from dsv4.contract.artifact import shard_inventory, whole_inventory
 
     cfg = _cfg()
     model = empty_model(cfg, torch.float32)
@@ -212,7 +212,7 @@ def test_sharded_model_parameters_are_the_contracts_per_device_inventory(n: int)
     assert whole_inventory(per_device, n) == whole
     # the exporter's own weights (weights="model") come out under the same keys
     from dsv4.export.exporter import _model_tensors
-    from dsv4.runtime.artifact import shard_tensors
+    from dsv4.contract.artifact import shard_tensors
 
     assert [k for k, _, _ in shard_tensors(_model_tensors(model, "default"), n)] == [s.name for s in per_device]
     for preset in ("flash", "pro"):  # the real models split over 2, 4 and 8 devices
@@ -226,9 +226,9 @@ def test_random_weights_of_a_multidevice_export_are_the_one_device_weights_cut(
     tensors cut per device: bytes equal to the exporter's own (same seed) and to the N = 1 export's."""
     import shutil
 
-    from dsv4.runtime.artifact import ExportConfig, shard_key
-    from dsv4.runtime.random_weights import write_random_weights
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.artifact import ExportConfig, shard_key
+    from dsv4.contract.random_weights import write_random_weights
+    from dsv4.contract.weights import open_weights
 
     two, one = _get(multidev_exports, 2), _get(multidev_exports, 1)
     shutil.copyfile(two / "config.json", tmp_path / "config.json")
@@ -265,8 +265,8 @@ def test_checkpoint_weights_stream_cut_for_two_devices() -> None:
     per-device inventory (the embedded checkpoint: 4 heads, 2 o_groups, 8 experts, vocab 2048)."""
     from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, checkpoint_tensors, load_checkpoint
     from dsv4.model.checkpoint.irpa import param_inventory
-    from dsv4.runtime.artifact import shard_inventory, shard_tensors
-    from dsv4.runtime.weights import checked
+    from dsv4.contract.artifact import shard_inventory, shard_tensors
+    from dsv4.contract.weights import checked
 
     model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16, weights=False)
     specs = shard_inventory(param_inventory(model), 2)
@@ -342,7 +342,7 @@ def test_pipeline_export_equals_one_module(multidev_exports: dict[int, Path]) ->
     """Two stage modules on two local devices, the streams through host memory: the same prefill and
     decode logits as the one-module export of the same weights (bitwise: the same ops, the f32
     crossing is exact) and the same greedy continuation; the config records the stages."""
-    from dsv4.runtime.artifact import ExportConfig
+    from dsv4.contract.artifact import ExportConfig
     from dsv4.runtime.engine import Engine
     from dsv4.runtime.module import PipelineModule
 
@@ -361,7 +361,7 @@ def test_pipeline_export_equals_one_module(multidev_exports: dict[int, Path]) ->
         for a, b in zip(ref[:2], got[:2]):
             assert np.array_equal(a, b), np.abs(a - b).max()
         assert got[2] == ref[2]
-    from dsv4.runtime.errors import EngineError
+    from dsv4.contract.errors import EngineError
 
     with pytest.raises(EngineError, match="stage_devices must give a device index"):
         Engine(d, stage_devices=[0])
@@ -375,9 +375,9 @@ def test_random_weights_of_a_pipeline_export_are_the_whole_models(tmp_path: Path
     the same archive): byte-equal to what the exporter wrote for the same seed."""
     import shutil
 
-    from dsv4.runtime.artifact import ExportConfig
-    from dsv4.runtime.random_weights import write_random_weights
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.artifact import ExportConfig
+    from dsv4.contract.random_weights import write_random_weights
+    from dsv4.contract.weights import open_weights
 
     d = _export(2, pipeline=True)
     shutil.copyfile(d / "config.json", tmp_path / "config.json")
@@ -403,8 +403,8 @@ def test_pipeline_requests_that_cannot_work_fail_before_tracing(tmp_path: Path) 
 def test_pipeline_config_is_validated(tmp_path: Path) -> None:
     """A pipeline config.json whose stages do not tile the layers, or that lacks a target's stage
     modules, is refused naming the field."""
-    from dsv4.runtime.artifact import ExportConfig, build_config
-    from dsv4.runtime.errors import ArtifactError
+    from dsv4.contract.artifact import ExportConfig, build_config
+    from dsv4.contract.errors import ArtifactError
 
     def raw(stages, vmfbs=("a.vmfb", "b.vmfb"), state=("stage0.kv", "stage1.kv")):
         return build_config(model={"vocab_size": 8}, activation_dtype="float32", n_slots=1, max_seq_len=16,
@@ -444,7 +444,7 @@ def test_cuda_async_allocations_are_turned_off_before_a_multi_gpu_engine() -> No
             "m._cuda_for_several_gpus('cuda')\n")  # once is enough
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
     code = ("from dsv4.runtime import module as m\n"
-            "from dsv4.runtime.errors import EngineError\n"
+            "from dsv4.contract.errors import EngineError\n"
             "m._cuda_opened = True\n"  # what _open_devices records for a one-GPU cuda module
             "try:\n    m._cuda_for_several_gpus('cuda')\nexcept EngineError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -33,8 +33,8 @@ from torch import nn
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executables
 from dsv4.export.model_kernels import use_kernels
-from dsv4.model import quant_sim
-from dsv4.model.formats import dequant_fp8_block, dequant_mxfp4, fp8_fn_to_fnuz
+from dsv4.model.quant import sim as quant_sim
+from dsv4.model.quant.formats import dequant_fp8_block, dequant_mxfp4, fp8_fn_to_fnuz
 from dsv4.model.kernels.linear import (
     fp8_act_qdq,
     fp8_block_linear,

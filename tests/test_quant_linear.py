@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.model.formats import E4M3FN, E4M3FNUZ, FormatError, fp8_fn_to_fnuz
+from dsv4.model.quant.formats import E4M3FN, E4M3FNUZ, FormatError, fp8_fn_to_fnuz
 from dsv4.model.kernels.linear import fp8_block_linear, linear, mxfp4_linear
 
 E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

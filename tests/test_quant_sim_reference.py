@@ -9,7 +9,7 @@ ratio 4 with the lightning indexer, HCA ratio 16):
   2^ceil(log2(max(amax, 6 * 2^-126) / 6)).
 
 The reference rounds with torch's float8_e4m3fn cast (the spec's rounding) and its own e2m1
-nearest-even table lookup, never with dsv4.model.quant_sim. It is evaluated twice, simulations on
+nearest-even table lookup, never with dsv4.model.quant.sim. It is evaluated twice, simulations on
 and off; the model (simulations on, fp32) must sit far closer to "on" than "on" is to "off", so a
 missing, misplaced or mis-blocked simulation fails: the distance is measured per layer, on the
 layer's output and on the indexer's query/key operands (read through Indexer.aux).

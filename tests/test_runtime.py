@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, EngineError, ExportConfig, RequestError, SamplingParams
-from dsv4.runtime.artifact import target_for_device
+from dsv4.contract.artifact import target_for_device
 from dsv4.runtime.batching import SlotAllocator, pad_rows, pick_batch_size
 from dsv4.runtime.sampling import make_rng, sample_token, sampling_distribution
 from dsv4.runtime.text import StopMatcher
@@ -970,7 +970,7 @@ def test_tiny_nonfinite_logits_are_an_error(tiny_export: Path, tmp_path: Path) -
     import shutil
 
     from dsv4.runtime.engine import Engine
-    from dsv4.runtime.weights import open_weights, write_shards
+    from dsv4.contract.weights import open_weights, write_shards
 
     d = tmp_path / "nan"
     shutil.copytree(tiny_export, d)

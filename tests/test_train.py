@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4 import train as T
-from dsv4.model import quant_sim
+from dsv4.model.quant import sim as quant_sim
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT
 from dsv4.model.config import ModelConfig
 from dsv4.model.generate import greedy
@@ -297,7 +297,7 @@ FP8_SLICE = 0.01
 
 @pytest.mark.skipif(not (MASTER / T.MASTER_FILE).exists(), reason="no shipped master")
 def test_shipped_master_is_trained():
-    from dsv4.model.tokenizer import load_tokenizer
+    from dsv4.contract.tokenizer import load_tokenizer
 
     log = _log()
     model = T.load_master(MASTER, torch.bfloat16)
@@ -313,7 +313,7 @@ def test_shipped_master_is_trained():
 @pytest.mark.skipif(not (FP8 / "model.safetensors").exists(), reason="no shipped FP8 checkpoint")
 def test_shipped_fp8_checkpoint_loads_and_is_trained():
     from dsv4.model.checkpoint import load_checkpoint
-    from dsv4.model.tokenizer import load_tokenizer
+    from dsv4.contract.tokenizer import load_tokenizer
 
     model = load_checkpoint(FP8, dtype=torch.bfloat16, progress=False)
     assert model.embed.weight.shape[0] == 2048
@@ -332,7 +332,7 @@ def test_shipped_model_continues_the_prompt_without_looping():
     import re
 
     from dsv4.model.checkpoint import load_checkpoint
-    from dsv4.model.tokenizer import decode, encode, load_tokenizer
+    from dsv4.contract.tokenizer import decode, encode, load_tokenizer
 
     model = load_checkpoint(FP8, dtype=torch.bfloat16, progress=False)
     tok = load_tokenizer(FP8)

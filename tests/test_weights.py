@@ -1,4 +1,4 @@
-"""Weights as sharded .irpa files (dsv4.runtime.weights), config.json's weights fields, exports
+"""Weights as sharded .irpa files (dsv4.contract.weights), config.json's weights fields, exports
 without weights, `dsv4 weights random`, the torch loader from .irpa and the streamed release
 checkpoint.
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, ExportConfig
-from dsv4.runtime.artifact import TensorSpec, check_irpa
-from dsv4.runtime.weights import (check_weights, checked, open_weights, plan_shards, shard_names, storage_dtype,
+from dsv4.contract.artifact import TensorSpec, check_irpa
+from dsv4.contract.weights import (check_weights, checked, open_weights, plan_shards, shard_names, storage_dtype,
                                   write_shards)
 
 
@@ -252,8 +252,8 @@ def _no_weights_export(d: Path, shard_bytes: int = 1 << 16, fnuz: bool = True) -
     the e4m3fn files, gfx942 its own e4m3fnuz ones; no .irpa yet."""
     from test_runtime import _config, _write_export
 
-    from dsv4.runtime.artifact import with_fp8
-    from dsv4.runtime.weights import planned_names
+    from dsv4.contract.artifact import with_fp8
+    from dsv4.contract.weights import planned_names
 
     model, specs = _tiny_inventory()
     cfg = _config(model=model, activation_dtype="bfloat16", parameters=planned_names(specs, "model", shard_bytes),
@@ -266,7 +266,7 @@ def _no_weights_export(d: Path, shard_bytes: int = 1 << 16, fnuz: bool = True) -
 
 @pytest.fixture(scope="module")
 def random_export(tmp_path_factory) -> Path:
-    from dsv4.runtime.random_weights import write_random_weights
+    from dsv4.contract.random_weights import write_random_weights
 
     d = _no_weights_export(tmp_path_factory.mktemp("random") / "out")
     write_random_weights(d, seed=3)
@@ -291,12 +291,12 @@ def test_random_weights_complete_and_flavours(random_export: Path) -> None:
 
 
 def test_random_weights_decode_at_the_init_scale(random_export: Path) -> None:
-    """Decoded with the project's torch decoders (model/formats.py): FP8 (both formats) and MXFP4
+    """Decoded with the project's torch decoders (model/quant/formats.py): FP8 (both formats) and MXFP4
     weights x scale have std 0.02 and are finite, with no NaN code (and no 0x80 in e4m3fnuz); the
     two FP8 flavours hold the same values; floats follow init_rule; tid2eid rows are distinct."""
     import torch
 
-    from dsv4.model.formats import (E4M3FN, E4M3FNUZ, dequant_fp8_block, dequant_mxfp4, e8m0_decode,
+    from dsv4.model.quant.formats import (E4M3FN, E4M3FNUZ, dequant_fp8_block, dequant_mxfp4, e8m0_decode,
                                     fp8_from_bytes, unpack_e2m1)
 
     (fn_group, fn), (_, fnuz) = _group_weights(random_export)
@@ -331,7 +331,7 @@ def test_random_weights_decode_at_the_init_scale(random_export: Path) -> None:
     assert torch.allclose(torch.bincount(lo_hi[:, 0], minlength=16).double(),
                           torch.bincount(lo_hi[:, 1], minlength=16).double(), rtol=0.15, atol=40)
 
-    from dsv4.runtime.random_weights import init_rule
+    from dsv4.contract.random_weights import init_rule
 
     for s in fn_group.specs:
         if s.dtype in ("float32", "bfloat16"):
@@ -352,7 +352,7 @@ def test_random_weights_decode_at_the_init_scale(random_export: Path) -> None:
 def test_random_weights_are_deterministic(random_export: Path, tmp_path: Path) -> None:
     """Same seed: the same bytes in every file (on any host: per-tensor generators seeded by name);
     another seed: other values for exactly the random tensors. Splitting differently changes no value."""
-    from dsv4.runtime.random_weights import init_rule, write_random_weights
+    from dsv4.contract.random_weights import init_rule, write_random_weights
 
     again = _no_weights_export(tmp_path / "again")
     write_random_weights(again, seed=3)
@@ -509,7 +509,7 @@ def _tiny_q_model(seed: int, tmp: Path):
     from dsv4.model.checkpoint.irpa import load_irpa, param_inventory
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
-    from dsv4.runtime.random_weights import random_tensors
+    from dsv4.contract.random_weights import random_tensors
 
     cfg = ModelConfig.preset("tiny")
     model = Transformer(cfg, dtype=torch.float32, quantized=True)
@@ -556,7 +556,7 @@ def test_compiled_equals_eager_on_weights_made_by_weights_random(q_export: Path,
     from dsv4.model.generate import greedy
     from dsv4.runtime.cli import main
     from dsv4.runtime.engine import Engine
-    from dsv4.runtime.weights import planned_names
+    from dsv4.contract.weights import planned_names
 
     d = tmp_path / "nw"
     shutil.copytree(q_export, d)
@@ -642,7 +642,7 @@ def test_checkpoint_tensors_fnuz_and_first_layers(tiny_ckpt: Path) -> None:
     import torch
 
     from dsv4.model.checkpoint import checkpoint_tensors, load_checkpoint
-    from dsv4.model.formats import fp8_fn_to_fnuz
+    from dsv4.model.quant.formats import fp8_fn_to_fnuz
     from dsv4.model.model import Transformer
 
     model = load_checkpoint(tiny_ckpt)
@@ -706,9 +706,9 @@ def test_random_weights_written_by_several_processes_are_the_same_bytes(tmp_path
     from dsv4.model.checkpoint.irpa import param_inventory
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import empty_model
-    from dsv4.runtime.artifact import build_config, write_config
-    from dsv4.runtime.random_weights import write_random_weights
-    from dsv4.runtime.weights import planned_names
+    from dsv4.contract.artifact import build_config, write_config
+    from dsv4.contract.random_weights import write_random_weights
+    from dsv4.contract.weights import planned_names
 
     cfg = ModelConfig.preset("tiny")
     specs = param_inventory(empty_model(cfg, torch.float32))

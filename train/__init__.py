@@ -8,7 +8,7 @@ Files: `config.py` (TrainConfig), `data.py` (token streams, batches, prepared da
 `loop.py` (optimizer, schedule, steps), `evaluate.py` (held-out perplexity + the greedy check),
 `master.py` (the bf16 master format), `run.py` (a whole run: train / from_master / finish),
 `__main__.py` (the command line), `corpus.py` and `tokenizer.py` (the training text and the
-tokenizer trainer; the tokenizer's format is the model's, `dsv4.model.tokenizer`).
+tokenizer trainer; the tokenizer's format is the model's, `dsv4.contract.tokenizer`).
 
 Choices, and why:
 * fp32 master weights and fp32 compute. The CPU has no fast path that makes bf16 training cheaper

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4.model.config import ModelConfig
-from dsv4.model.tokenizer import BOS_ID, EOS_ID, load_tokenizer, save_tokenizer
+from dsv4.contract.tokenizer import BOS_ID, EOS_ID, load_tokenizer, save_tokenizer
 
 from .config import TrainConfig
 

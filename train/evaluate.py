@@ -15,7 +15,7 @@ from dsv4.model.checkpoint import EMBEDDED_PROMPT
 from dsv4.model.generate import greedy
 from dsv4.model.model import Transformer
 from dsv4.model.state import new_state
-from dsv4.model.tokenizer import decode, encode
+from dsv4.contract.tokenizer import decode, encode
 
 __all__ = ["evaluate", "eval_and_sample", "DEFAULT_PROMPT"]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4.model import quant_sim
+from dsv4.model.quant import sim as quant_sim
 from dsv4.model.kernels import overrides
 from dsv4.model.model import Transformer
 

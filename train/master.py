@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv4.model.config import ModelConfig
 from dsv4.model.model import Transformer
-from dsv4.model.tokenizer import save_tokenizer
+from dsv4.contract.tokenizer import save_tokenizer
 
 __all__ = ["MASTER_FILE", "master_state", "master_model", "cast_model", "save_master", "load_master"]
 

@@ -1,7 +1,7 @@
 """Train the byte-level BPE tokenizer of the embedded default model on the corpus (`corpus.py`).
 
 The tokenizer's format (special tokens, ids, files, encode/decode) is the model's and lives in
-`dsv4.model.tokenizer`; training it is this file. Training is deterministic: the same texts and
+`dsv4.contract.tokenizer`; training it is this file. Training is deterministic: the same texts and
 settings give a byte-identical ``tokenizer.json``.
 
 Run ``python -m dsv4.train.tokenizer`` to compare vocabulary sizes on the corpus eval split, and
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv4.model.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
+from dsv4.contract.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
 
 __all__ = ["RECOMMENDED_VOCAB_SIZE", "MIN_VOCAB_SIZE", "train_tokenizer", "corpus_tokenizer"]
 

@@ -3,7 +3,7 @@
 Files: `names.py` (naming schemes and their mapping), `inventory.py` (a directory's tensors from
 its headers, CheckpointError), `load.py`, `write.py`, `cli.py` (`dsv4 checkpoint make`), `irpa.py`
 (an export's .irpa weights into a Transformer: `load_irpa`, `load_export_model`, `param_inventory`); the
-quantizers are `dsv4.model.quantize`, the transformers form of config.json `dsv4.model.transformers_config`.
+quantizers are `dsv4.model.quant.quantize`, the transformers form of config.json `dsv4.model.transformers_config`.
 
 Loading (`load_checkpoint`, `load_into`) reads `config.json` plus `model.safetensors` or
 `model.safetensors.index.json` + shards, in any of three naming schemes, all mapped onto the one

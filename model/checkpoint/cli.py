@@ -12,7 +12,7 @@ import torch
 
 from ..config import PRESETS, ModelConfig
 from ..model import Transformer, init_random
-from ..tokenizer import save_tokenizer
+from dsv4.contract.tokenizer import save_tokenizer
 from .write import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 __all__ = ["checkpoint_make_main"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dsv4.runtime.artifact import DTYPES, FP8_DTYPES, PARAM_PREFIX, ExportConfig, TensorSpec
+from dsv4.contract.artifact import DTYPES, FP8_DTYPES, PARAM_PREFIX, ExportConfig, TensorSpec
 
 from .common import CheckpointError, no_param_init
 
@@ -40,14 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 def archive_tensors(tensors: dict[str, torch.Tensor], fp8_dtype: str = "float8_e4m3fn", prefix: str = ""
                     ) -> Iterator[tuple[str, "np.ndarray", str]]:
     """One unit of tensors (a module's parameters, a checkpoint unit; names ending in their leaf) as
-    `runtime.weights.write_shards` takes them: (prefix + name, array in the dtype's storage type,
+    `contract.weights.write_shards` takes them: (prefix + name, array in the dtype's storage type,
     dtype name), emptying `tensors` on the way (each is dropped once yielded). With fp8_dtype
     "float8_e4m3fnuz" every e4m3fn weight is converted together with its block scale
     (`weight_of_scale` pairs them; formats.fp8_fn_to_fnuz: 0x80 -> 0x00, scale x2)."""
-    from dsv4.runtime.random_weights import weight_of_scale
-    from dsv4.runtime.weights import storage_dtype
+    from dsv4.contract.random_weights import weight_of_scale
+    from dsv4.contract.weights import storage_dtype
 
-    from ..formats import fp8_fn_to_fnuz
+    from ..quant.formats import fp8_fn_to_fnuz
 
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
@@ -72,7 +72,7 @@ def param_inventory(model: nn.Module, prefix: str = PARAM_PREFIX) -> list[Tensor
 def _weight_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], str, int]:
     """The .irpa files to read: given, or an export directory's e4m3fn flavour (any flavour when it
     has only one), a name for messages, and the export's device count (its weights cut per device)."""
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.weights import open_weights
 
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         d = Path(source)
@@ -103,10 +103,10 @@ def load_irpa(model: nn.Module, source: str | os.PathLike | Sequence[str | os.Pa
     (the model keeps the mapping alive), so a Flash-sized eager model costs page cache, not memory,
     and shares its pages with an IREE module reading the same files. Such a model must not be
     written to; converted (fnuz) tensors are still copied."""
-    from dsv4.runtime.random_weights import weight_of_scale
-    from dsv4.runtime.weights import WholeWeights, open_weights
+    from dsv4.contract.random_weights import weight_of_scale
+    from dsv4.contract.weights import WholeWeights, open_weights
 
-    from ..formats import fp8_fnuz_to_fn
+    from ..quant.formats import fp8_fnuz_to_fn
 
     paths, where, n_devices = _weight_files(source)
     w = open_weights(paths)
@@ -163,7 +163,7 @@ def load_export_model(export_dir: str | os.PathLike, device: str = "cpu") -> tup
     """The eager Transformer of an export with the weights its vmfbs run (`load_irpa`): built from
     config.json's model section and activation dtype, low-bit weights kept low-bit when the files
     hold them. Returns (model in eval mode on `device`, its config, activation dtype)."""
-    from dsv4.runtime.weights import open_weights
+    from dsv4.contract.weights import open_weights
 
     from ..config import ModelConfig
     from ..model import Transformer

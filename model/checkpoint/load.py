@@ -24,10 +24,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from dsv4.runtime.artifact import FP8_DTYPES, PARAM_PREFIX
+from dsv4.contract.artifact import FP8_DTYPES, PARAM_PREFIX
 
 from ..config import ConfigError, ModelConfig
-from ..formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode, mxfp4_to_fp8
+from ..quant.formats import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, e8m0_decode, mxfp4_to_fp8
 from ..model import Transformer
 from .common import CheckpointError, no_param_init as _no_param_init
 from .inventory import Checkpoint, Entry, open_checkpoint
@@ -400,7 +400,7 @@ def checkpoint_tensors(ckpt: Checkpoint | str | os.PathLike, model: Transformer,
                        progress: bool | None = None) -> Iterator[tuple[str, np.ndarray, str]]:
     """The checkpoint's tensors as `model` holds them, one at a time in its state-dict order (the
     order of `irpa.param_inventory(model)`): (prefix + name, numpy array in the dtype's storage
-    type, dtype name), for `runtime.weights.write_shards`. `model` only gives shapes and dtypes (an
+    type, dtype name), for `contract.weights.write_shards`. `model` only gives shapes and dtypes (an
     empty or meta-device model does). Layers past the model's count are skipped (an export of the
     first N layers); FP8 weights come as `fp8_dtype` ("float8_e4m3fnuz" for gfx942: same bytes
     but 0x80 -> 0x00, block scale x2, formats.fp8_fn_to_fnuz). Structural problems raise one

@@ -19,9 +19,9 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..formats import E4M3FN, FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4
-from ..quantize import quantize_fp8_block, quantize_mxfp4
-from ..tokenizer import save_tokenizer
+from ..quant.formats import E4M3FN, FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4
+from ..quant.quantize import quantize_fp8_block, quantize_mxfp4
+from dsv4.contract.tokenizer import save_tokenizer
 from ..transformers_config import transformers_config_dict
 from .inventory import INDEX_FILE, SINGLE_FILE
 from .names import EXPERTS, transformers_name

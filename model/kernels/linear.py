@@ -38,7 +38,7 @@ from typing import ContextManager
 import torch
 import torch.nn.functional as F
 
-from ..formats import (
+from ..quant.formats import (
     FP8_BLOCK,
     FP8_FORMATS,
     MXFP4_BLOCK,

@@ -14,7 +14,7 @@ logits are not all finite);
 ``score_bs1`` -> logprobs f32[1,T]; ``sample_bs{N}(logits, temperature, top_k, top_p, key)`` -> ids
 i64[N] (one-device exports: the token choice on the device); ``export_id()`` -> the bytes of config.json's ``export_id``.
 
-Weights (fields of config.json; `runtime/weights.py` reads and writes the files)::
+Weights (fields of config.json; `contract/weights.py` reads and writes the files)::
 
     "parameters": ["model-00001-of-00002.irpa", "model-00002-of-00002.irpa"]
     "weights": {"tensors": [["model.embed.weight", [129280, 4096], "bfloat16"], ...],

@@ -2,7 +2,7 @@
 (numpy + iree.runtime).
 
 Files: ``<prefix>-00001-of-0000N.irpa`` (`shard_names`), listed in config.json's ``parameters``
-(runtime/artifact.py documents those fields); an old export's single ``model.irpa`` reads the same
+(contract/artifact.py documents those fields); an old export's single ``model.irpa`` reads the same
 way. Each archive holds whole tensors under their vmfb keys, each with turbine's metadata
 (``PYTORCH:{"type": "Tensor", "dtype": ..., "shape": [...]}``), so turbine's own readers read them too.
 
