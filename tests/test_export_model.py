@@ -298,7 +298,7 @@ def test_default_slots_cover_decode_batch_sizes():
 
 def _quantized_tiny(quant_sim: bool = False, dtype: torch.dtype = torch.float32) -> Transformer:
     """Tiny with FP8 linears (E8M0 scales) and MXFP4 experts, random bytes (no NaN codes).
-    Also the model of bench/quantized_tiny_parity.py."""
+    Also the model of `git show a7b70ea:bench/quantized_tiny_parity.py`."""
     cfg = ModelConfig.preset("tiny").replace(quant_sim=quant_sim, expert_dtype="fp4")
     m = init_random(Transformer(cfg, dtype=dtype), seed=1)  # float weights first
     q = Transformer(cfg, dtype=dtype, quantized=True)
