@@ -8,7 +8,7 @@ batch 1 and 8, decode at 1/8/32/64): longer than one 10-minute device call. Indu
 caches (FX graph, AOTAutograd, Triton kernels, all under TORCHINDUCTOR_CACHE_DIR) by the graph and
 its input shapes, not by the process, so several processes, each compiling some shapes, fill one
 directory that a later `dsv4 bench` reads: it then pays only Dynamo's tracing per shape. The calls
-here are the bench's own (model.bench_torch.TorchBackend, the plan of dsv4.runtime.bench) with the
+here are the bench's own (dsv4.bench.torch_backends.TorchBackend, the plan of dsv4.bench.speed) with the
 same token/position/slot shapes and state, so the graphs are the bench's.
 
 Prints, per shape, the seconds the first call took and, at the end, Inductor's cache hit/miss
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch._dynamo.utils import counters
 
-    from dsv4.model.bench_torch import TorchBackend
+    from dsv4.bench.torch_backends import TorchBackend
     from dsv4.contract.artifact import ExportConfig
-    from dsv4.runtime.bench import build_parser, make_plan
+    from dsv4.bench.speed import build_parser, make_plan
 
     cfg = ExportConfig.load(args.out)
     plan = make_plan(build_parser().parse_args([args.out, "--prefill", str(args.prefill), "--context",

@@ -90,7 +90,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and argv[1:2] != ["serve"]:  # `bench OUT ...` parses its own arguments
-        from .bench import main as bench_main
+        from dsv4.bench.speed import main as bench_main
 
         return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 as a compiled IREE pipeline")

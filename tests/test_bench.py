@@ -111,8 +111,8 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     and the eager model pick the same next token after the same prompt."""
     import torch
 
-    from dsv4.model.bench_torch import TorchBackend, load_export_model
-    from dsv4.runtime.bench import IreeBackend
+    from dsv4.bench.torch_backends import TorchBackend, load_export_model
+    from dsv4.bench.speed import IreeBackend
 
     model, _, dtype = load_export_model(bench_export)
     from test_runtime import _tiny_model
@@ -132,7 +132,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
 def test_ncu_kernel_table_per_step_arithmetic() -> None:
     """The cuda profile's fallback reads ncu's CSV: units converted, the initializer's kernels (fewer
     launches than calls) left out, per-step time and share by hand."""
-    from dsv4.runtime.bench import kernel_table
+    from dsv4.bench.speed import kernel_table
 
     head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
     rows = [("__init_dispatch_0", "usecond", "500")] + [("_initializer_3_dispatch_0_decode", "usecond", "9")] * 3
@@ -151,7 +151,7 @@ def test_ncu_kernel_table_per_step_arithmetic() -> None:
 
 
 def test_step_bytes_matches_a_hand_count() -> None:
-    from dsv4.runtime.bench import step_bytes
+    from dsv4.bench.speed import step_bytes
     from dsv4.contract.artifact import StateSpec
 
     model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
@@ -219,7 +219,7 @@ def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> Non
         pytest.skip(f"deepseek_v4 needs transformers >= 5.8, found {transformers.__version__}")
     import torch
 
-    from dsv4.model.bench_torch import TransformersBackend, load_export_model
+    from dsv4.bench.torch_backends import TransformersBackend, load_export_model
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
     from dsv4.model.state import new_state

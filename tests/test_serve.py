@@ -543,7 +543,7 @@ def test_sigterm_drains_and_exits_cleanly(serve_export, tmp_path) -> None:
 def test_bench_percentiles_match_numpy() -> None:
     import numpy as np
 
-    from dsv4.runtime.bench_serve import summarize
+    from dsv4.bench.serve_load import summarize
 
     xs = [0.003, 0.001, 0.010, 0.002, 0.5, 0.004, 0.007]
     s = summarize(xs)
@@ -553,7 +553,7 @@ def test_bench_percentiles_match_numpy() -> None:
 
 
 def test_bench_serve_against_the_server(server) -> None:
-    from dsv4.runtime.bench_serve import format_table, run_bench
+    from dsv4.bench.serve_load import format_table, run_bench
 
     res = run_bench(server.base, [1, 3], 3, max_tokens=6, prompt_tokens=5, api_key=KEY)
     assert [r.concurrency for r in res] == [1, 3]
@@ -575,7 +575,7 @@ sys.meta_path.insert(0, Block())
 
 def test_serving_imports_no_torch() -> None:
     code = ("BLOCKED = ('torch',)" + _BLOCK + "import dsv4.runtime.server, dsv4.runtime.async_engine, "
-            "dsv4.runtime.bench_serve, dsv4.runtime.serve_cli")
+            "dsv4.bench.serve_load, dsv4.runtime.serve_cli")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

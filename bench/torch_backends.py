@@ -1,5 +1,5 @@
 """The torch side of `dsv4 bench`: the export's own weights in the eager model, eager or torch.compile'd,
-behind the same two calls the timing protocol (dsv4.runtime.bench) uses for the compiled module.
+behind the same two calls the timing protocol (dsv4.bench.speed) uses for the compiled module.
 
 The weights are read from the export's .irpa files (the tensors the vmfb runs: checkpoint/irpa.py
 `load_export_model`), so every backend runs the same numbers: the model is rebuilt from config.json's
@@ -25,9 +25,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .checkpoint.irpa import load_export_model
-from .kernels.moe import routed_moe
-from .state import new_state
+from dsv4.model.checkpoint.irpa import load_export_model
+from dsv4.model.kernels.moe import routed_moe
+from dsv4.model.state import new_state
 
 __all__ = ["load_export_model", "TorchBackend", "TransformersBackend", "TORCH_DEVICE"]
 
@@ -102,8 +102,8 @@ class TransformersBackend:
             raise ValueError(f"transformers {transformers.__version__} has no DeepSeek-V4 model "
                              "(--compare transformers needs transformers >= 5.8)") from e
 
-        from .checkpoint import transformers_state_dict, unquantized_config
-        from .transformers_config import transformers_config_dict
+        from dsv4.model.checkpoint import transformers_state_dict, unquantized_config
+        from dsv4.model.transformers_config import transformers_config_dict
 
         self.device = _torch_device(device, "transformers")
         model, cfg, dtype = load_export_model(export_dir, "cpu")

@@ -7,7 +7,7 @@ Reports decode ms/step and tokens/s per batch and context length, prefill tokens
 token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
 where the driver allows, the top dispatches by time of a decode call and of a prefill call (IREE's
 HAL profiling; Nsight Compute on cuda).
-This module imports only numpy and iree.runtime; the torch backends (`dsv4.model.bench_torch`) load
+This module imports only numpy and iree.runtime; the torch backends (`dsv4.bench.torch_backends`) load
 only when --compare names them.
 
 One protocol for every backend (`measure`), so the numbers are comparable:
@@ -79,7 +79,7 @@ def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int,
     argmax at each row's last token. `warm_up`: only the first call of each prefill batch size that
     filling the rows uses (loads / compiles each function once; every call is padded to plan.chunk
     tokens, so a full untimed fill would cost as much as the timed one)."""
-    from .batching import pad_rows, pick_batch_size
+    from dsv4.runtime.batching import pad_rows, pick_batch_size
 
     last = np.zeros(rows, np.int64)
     T = plan.chunk
@@ -144,7 +144,7 @@ class IreeBackend:
     """The export's prefill_bs{N}/decode_bs{N} functions through the Engine's loaded module and state."""
 
     def __init__(self, export_dir: str | Path, device: str):
-        from .engine import Engine
+        from dsv4.runtime.engine import Engine
 
         self.engine = Engine(export_dir, device=device)
         self.name = f"iree {device}"
@@ -484,7 +484,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     params = parameter_sizes(eng.parameters_paths)
 
     def torch_backend(name: str) -> Backend:
-        from dsv4.model.bench_torch import TorchBackend, TransformersBackend
+        from dsv4.bench.torch_backends import TorchBackend, TransformersBackend
 
         try:
             if name == "transformers":
@@ -612,7 +612,7 @@ def write_plot(rep: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from .engine import EngineError
+    from dsv4.runtime.engine import EngineError
 
     try:
         rep = run_bench(args)
