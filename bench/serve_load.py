@@ -9,15 +9,19 @@ streamed chunks), TPOT ((latency - TTFT) / (tokens - 1), tokens from the usage c
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import inspect
 import json
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["LevelResult", "run_bench", "format_table", "summarize"]
+__all__ = ["LevelResult", "run_bench", "format_table", "summarize", "build_parser", "main"]
 
 
 @dataclass
@@ -193,3 +197,55 @@ def format_table(results: list[LevelResult]) -> str:
         for e in r.errors[:3]:
             lines.append(f"concurrency {r.concurrency} error: {e}")
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `dsv4 bench serve`; the defaults are run_bench's own, so they live in one place."""
+    d = {k: v.default for k, v in inspect.signature(run_bench).parameters.items()}
+    p = argparse.ArgumentParser(prog="dsv4 bench serve", description=__doc__.split("\n\n")[0],
+                                epilog="Example: dsv4 serve OUT & then dsv4 bench serve http://127.0.0.1:8000")
+    p.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)")
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level (default 64)")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
+                   help=f"tokens each request generates, ignore_eos (default {d['max_tokens']})")
+    p.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"],
+                   help=f"prompt length in tokens, random ids in [3, --id-limit) (default {d['prompt_tokens']})")
+    p.add_argument("--id-limit", type=int, default=d["id_limit"],
+                   help=f"prompt token ids are below this, <= the vocabulary (default {d['id_limit']})")
+    p.add_argument("--model", help="model id (default: the server's first /v1/models entry)")
+    p.add_argument("--api-key", help="API key (default: $DSV4_API_KEY)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the random prompts")
+    p.add_argument("--timeout", type=float, default=d["timeout"],
+                   help=f"seconds one request may take (default {d['timeout']:g})")
+    p.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsv4.bench.serve_load URL ...`: the load of `dsv4 bench serve`, a table (or JSON)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+
+    def fail(msg: str) -> int:
+        print(f"dsv4 bench serve: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        return fail(f"--concurrency expects comma-separated integers, got {args.concurrency!r}")
+    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.id_limit < 4:
+        return fail("--concurrency levels, --requests and --max-tokens must be positive, --id-limit at least 4")
+    try:
+        results = run_bench(args.url, levels, args.requests, max_tokens=args.max_tokens,
+                            prompt_tokens=args.prompt_tokens, id_limit=args.id_limit, model=args.model,
+                            api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None, seed=args.seed,
+                            timeout=args.timeout)
+    except (OSError, RuntimeError, ValueError) as e:
+        return fail(str(e))
+    print(json.dumps([r.to_json() for r in results], indent=1) if args.json else format_table(results))
+    return 0 if all(r.failed == 0 for r in results) else 1  # a failed request fails the run
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -635,3 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {args.plot}")
     return 0
 
+
+
+if __name__ == "__main__":  # python -m dsv4.bench.speed OUT ... = dsv4 bench OUT ...
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Fill torch.compile's on-disk caches for the graphs `dsv4 bench --compare torch-compile` will compile.
 
-    TORCHINDUCTOR_CACHE_DIR=DIR python bench/torch_compile_warm.py OUT --device cuda --prefill 128 \
+    TORCHINDUCTOR_CACHE_DIR=DIR python -m dsv4.bench.torch_compile_warm OUT --device cuda --prefill 128 \
         prefill:1 decode:1          # one process per group of shapes, several at once
 
 At Flash dimensions torch.compile takes 110-130 s per static shape and a bench has six (prefill at
@@ -25,7 +25,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.torch_compile_warm", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="export directory")
     ap.add_argument("shapes", nargs="+", help="prefill:B (B rows of the bench's prefill chunk) or decode:B")
     ap.add_argument("--device", default="cuda", help="IREE driver name the bench gets (its torch device is used)")

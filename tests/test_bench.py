@@ -248,3 +248,34 @@ def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> Non
     np.testing.assert_array_equal(second, got[:, T].argmax(-1).numpy())
     with pytest.raises(ValueError, match="not prefilled together"):
         be.decode(seq[:1, T:].numpy(), np.full(1, T), np.arange(1))
+
+
+def test_every_benchmark_prints_its_help() -> None:
+    """Each module of bench/ is a command a user reruns: `python -m dsv4.bench.NAME --help` exits 0
+    with its usage, without a GPU (torch_backends is the library behind `dsv4 bench --compare`)."""
+    import os
+    import subprocess
+    import sys
+
+    names = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem not in ("__init__", "torch_backends"))
+    assert {"speed", "serve_load", "compiled_vs_eager"} <= set(names)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    procs = {n: subprocess.Popen([sys.executable, "-m", f"dsv4.bench.{n}", "--help"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env) for n in names}
+    for n, p in procs.items():
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0 and out.startswith("usage: "), (n, out[-2000:])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["http://127.0.0.1:9", "--concurrency", "1,x"], "--concurrency expects comma-separated integers"),
+    (["http://127.0.0.1:9", "--requests", "0"], "must be positive"),
+    (["http://127.0.0.1:9", "--id-limit", "3"], "--id-limit at least 4"),
+    (["http://127.0.0.1:9", "--requests", "1", "--timeout", "5"], "cannot reach http://127.0.0.1:9"),
+])
+def test_serve_load_bad_arguments_and_no_server(capsys, argv: list[str], match: str) -> None:
+    from dsv4.bench.serve_load import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4 bench serve: error: ") and match in err, err
