@@ -4,7 +4,8 @@ For each concurrency level, ``requests`` streamed /v1/completions requests (rand
 prompts of ``prompt_tokens``, greedy, ``max_tokens`` generated with ignore_eos) run with at most
 that many in flight. Per request: TTFT (send to the first streamed text), ITL (the gaps between
 streamed chunks), TPOT ((latency - TTFT) / (tokens - 1), tokens from the usage chunk) and E2EL
-(send to [DONE]). Throughput is over the level's wall time. Needs httpx only (no torch).
+(send to [DONE]). Throughput is over the level's wall time. Needs httpx only (no torch), imported
+when a run starts, so --help works without the serve extra.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-
-import httpx
 
 __all__ = ["LevelResult", "run_bench", "format_table", "summarize", "build_parser", "main"]
 
@@ -87,6 +86,8 @@ class LevelResult:
 
 
 async def _request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> _One:
+    import httpx
+
     r = _One()
     t0 = time.perf_counter()
     last = None
@@ -127,6 +128,8 @@ async def _request(client: httpx.AsyncClient, url: str, body: dict, headers: dic
 
 async def _level(base: str, model: str, concurrency: int, n: int, prompts: list[list[int]], max_tokens: int,
                  headers: dict, timeout: float) -> LevelResult:
+    import httpx
+
     url = base + "/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
@@ -156,6 +159,8 @@ def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: in
               api_key: str | None = None, model: str | None = None, seed: int = 0,
               timeout: float = 600.0) -> list[LevelResult]:
     """One LevelResult per concurrency level (a warm-up request runs first)."""
+    import httpx
+
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                             prompt_tokens=args.prompt_tokens, id_limit=args.id_limit, model=args.model,
                             api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None, seed=args.seed,
                             timeout=args.timeout)
+    except ModuleNotFoundError as e:
+        return fail(f"needs the 'serve' extra ({e.name} is not installed): pip install 'dsv4-iree[serve]'")
     except (OSError, RuntimeError, ValueError) as e:
         return fail(str(e))
     print(json.dumps([r.to_json() for r in results], indent=1) if args.json else format_table(results))
