@@ -64,6 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Load a running server at several concurrencies; print a table (or JSON)."""
     try:
+        import httpx  # noqa: F401  (serve_load imports it only when a run starts)
+
         from dsv4.bench.serve_load import format_table, run_bench
     except ModuleNotFoundError as e:
         return _need_extra("bench serve", e)
