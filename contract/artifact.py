@@ -56,7 +56,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
+import threading
 import uuid
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -213,19 +215,38 @@ def check_out_dir(out_dir: str | Path, *, force: bool = False) -> None:
                          f"format {FORMAT!r}); choose another -o, or pass --force to replace its contents")
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _sigterm_raises_interrupt() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt; returns the handler to restore (None: left alone, as
+    off the main thread, where handlers cannot be set, or when the program handles SIGTERM itself)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 @contextlib.contextmanager
 def staged_export(out_dir: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Yield an empty directory beside `out_dir` to build an export in; when the block succeeds,
     it replaces `out_dir` (files made readable as the umask allows, e.g. 0644); when it raises,
-    it is deleted and `out_dir` stays as it was. Checks `out_dir` first (`check_out_dir`)."""
+    it is deleted and `out_dir` stays as it was. Checks `out_dir` first (`check_out_dir`). While the
+    block runs, SIGTERM (kill, a job scheduler's timeout) raises KeyboardInterrupt like Ctrl-C, so the
+    staging directory is removed instead of left behind (only where SIGTERM has its default action)."""
     check_out_dir(out_dir, force=force)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     stage = out.parent / f".{out.name}.building-{tag}"
     stage.mkdir()
+    prev = _sigterm_raises_interrupt()
     try:
-        yield stage
+        try:
+            yield stage
+        finally:
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)
         mask = _umask()
         stage.chmod(0o777 & ~mask)
         for f in stage.iterdir():
