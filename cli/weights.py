@@ -36,7 +36,7 @@ def add_parser(subparsers: Any, name: str = "weights") -> argparse.ArgumentParse
                                 "config.json (`dsv4 check OUT` verifies them).")
     wa = w.add_subparsers(dest="action", required=True, metavar="ACTION")
     wr = wa.add_parser("random", help="write random weights for OUT/config.json's weights inventory",
-                       formatter_class=w.formatter_class)
+                       formatter_class=w.formatter_class, description=w.description)
     wr.add_argument("export_dir", metavar="OUT", help="export directory (config.json with a weights inventory)")
     wr.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same values on any "
                                                         "host and in every FP8 flavour")
