@@ -22,11 +22,8 @@ def _fail(cmd: str, msg: str) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Load a running server at several concurrencies; print a table (or JSON)."""
-    try:
-        from dsv4.bench.serve_load import format_table, run_bench
-    except ModuleNotFoundError as e:
-        return _fail("bench serve", f"needs the 'serve' extra ({e.name} is not installed): "
-                                    "pip install 'dsv4-iree[serve]'")
+    from dsv4.bench.serve_load import format_table, run_bench  # a missing httpx: "needs the 'serve' extra"
+
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:

@@ -33,20 +33,14 @@ def _fail(cmd: str, msg: str) -> int:
     return 2
 
 
-def _need_extra(cmd: str, err: ModuleNotFoundError) -> int:
-    return _fail(cmd, f"needs the 'serve' extra ({err.name} is not installed): pip install 'dsv4-iree[serve]'")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the export, then serve it until SIGINT/SIGTERM (in-flight requests get --drain-timeout
     seconds to finish, then are cancelled; the exit status is 0)."""
-    try:
-        import uvicorn
+    # a missing starlette/uvicorn/... is reported by dsv4.cli as "needs the 'serve' extra"
+    import uvicorn
 
-        from dsv4.runtime.serve.app import build_app
-        from dsv4.runtime.serve.async_engine import AsyncEngine
-    except ModuleNotFoundError as e:
-        return _need_extra("serve", e)
+    from dsv4.runtime.serve.app import build_app
+    from dsv4.runtime.serve.async_engine import AsyncEngine
     from dsv4.runtime.engine import Engine, EngineError
 
     if args.max_queue < 0:
