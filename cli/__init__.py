@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["COMMANDS", "main", "HelpFormatter"]
+__all__ = ["COMMANDS", "main", "HelpFormatter", "add_command"]
 
 # name -> (module, one-line help); the order is `dsv4 --help`'s
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # options of its own, but `dsv4 bench serve ...` is an ordinary subcommand (dsv4.cli.bench_serve)
 OWN_PARSER = {"bench": "dsv4.bench.speed"}
 
-# top-level packages whose absence means "the export extra is not installed"
+# the modules each extra installs: a missing one means that extra is not installed
 _EXPORT_EXTRA = ("torch", "iree.turbine", "iree.compiler", "safetensors", "ml_dtypes")
 _SERVE_EXTRA = ("starlette", "uvicorn", "prometheus_client", "httpx")
 
@@ -50,13 +50,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if ("default" in text or d is None or d is False or d == [] or d is argparse.SUPPRESS
                 or not action.option_strings):
             return text
-        shown = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else d
-        return f"{text} (default: {shown})".replace("%", "%%") if "%" not in text else f"{text} (default: %(default)s)"
-
-
-def parser(prog: str = "dsv4", **kw) -> argparse.ArgumentParser:
-    """An ArgumentParser with the command's formatter (for modules that parse their own arguments)."""
-    return argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, **kw)
+        shown = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+        return f"{text} (default: {shown.replace('%', '%%')})"  # argparse %-formats the help afterwards
 
 
 def add_command(subparsers, name: str, **kw) -> argparse.ArgumentParser:
@@ -75,12 +70,18 @@ def missing_extra(err: ModuleNotFoundError) -> str | None:
     return None
 
 
-def _top_parser() -> argparse.ArgumentParser:
-    p = parser(description="DeepSeek-V4 as a compiled IREE pipeline. `dsv4 COMMAND --help` shows a command's "
-                           "options.")
-    p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
-                     title="commands")
-    return p
+def _dispatch(cmd: str, argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsv4", formatter_class=HelpFormatter,
+                                description="DeepSeek-V4 as a compiled IREE pipeline. `dsv4 COMMAND --help` shows "
+                                            "a command's options and their defaults.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+    for name, (module, help_) in COMMANDS.items():
+        if name == cmd:  # only the command asked for loads its module
+            importlib.import_module(module).add_parser(sub, name)
+        else:
+            sub.add_parser(name, help=help_)
+    args = p.parse_args(argv)
+    return args.fn(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,18 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in OWN_PARSER and argv[1:2] != ["serve"]:
         return _run(cmd, lambda: importlib.import_module(OWN_PARSER[cmd]).main(argv[1:]))
     return _run(cmd, lambda: _dispatch(cmd, argv))
-
-
-def _dispatch(cmd: str, argv: list[str]) -> int:
-    p = _top_parser()
-    sub = p._subparsers._group_actions[0]  # the subparsers action _top_parser made
-    for name, (module, help_) in COMMANDS.items():
-        if name == cmd:  # only the command asked for loads its module
-            importlib.import_module(module).add_parser(sub, name)
-        else:
-            sub.add_parser(name, help=help_)
-    args = p.parse_args(argv)
-    return args.fn(args)
 
 
 def _run(cmd: str, fn) -> int:
