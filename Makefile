@@ -22,7 +22,7 @@ EXPORT_DIR ?= out/default
 TARGETS ?= --target llvm-cpu --target gfx942
 PROMPT ?= The list data type has some more methods.
 MAX_NEW_TOKENS ?= 48
-EXPORT_DEPS := $(wildcard contract/*.py model/*.py model/*/*.py model/kernels/*.jinja export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
+EXPORT_DEPS := $(wildcard cli/export.py contract/*.py model/*.py model/*/*.py model/kernels/*.jinja export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
 
 $(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
 	$(BIN)/dsv4 export $(TARGETS) --no-score -o $(EXPORT_DIR)
