@@ -32,7 +32,7 @@ def bench_export() -> Path:
 
 
 def _bench(capsys, *argv: str) -> tuple[int, str, str]:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     rc = main(["bench", *argv])
     out = capsys.readouterr()

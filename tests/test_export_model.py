@@ -347,7 +347,7 @@ def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
 
 
 def test_cli_reports_stage_and_reason(tmp_path, capsys):
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--target", "gfx9000", "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -438,7 +438,7 @@ def test_pipeline_config_is_validated(tmp_path: Path) -> None:
 
 
 def test_cli_pipeline_needs_two_devices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--pipeline", "-o", str(tmp_path / "x")]) == 2
     assert "--pipeline needs --devices N with N >= 2" in capsys.readouterr().err

@@ -93,7 +93,7 @@ def weight_only_export() -> Path:
     alternative; no weights at export, `dsv4 weights random` makes them (the GPU-host flow)."""
     from dsv4.export.exporter import export_model
     from dsv4.model.model import empty_model
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     cfg = ModelConfig.preset("tiny", quant_sim=False)
 

@@ -1,7 +1,8 @@
 """`dsv4 generate` and `dsv4 score`: the compiled model from the command line.
 
 Torch-free (numpy + iree.runtime + tokenizers), so these work on a host with only the
-iree-base-runtime wheel. Bad requests and broken exports print one error line and exit 2.
+iree-base-runtime wheel. Bad requests and broken exports print one error line and exit 2; a request
+longer than the export's context is refused with the server's rule (`Engine.check_length`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,22 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_parsers", "cmd_generate", "cmd_score"]
+from . import add_command
+
+__all__ = ["add_parser", "cmd_generate", "cmd_score", "token_ids"]
 
 
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+def token_ids(text: str) -> list[int]:
+    """`--prompt-ids`: comma-separated non-negative integers; an empty entry ("5,,7") is an error."""
+    parts = [t.strip() for t in text.split(",")]
+    for i, t in enumerate(parts):
+        if not t:
+            raise argparse.ArgumentTypeError(f"empty entry {i + 1} in {text!r}: expected comma-separated token "
+                                             "ids like 5,6,7")
+        if not t.isdigit():
+            raise argparse.ArgumentTypeError(f"entry {i + 1} of {text!r} is {t!r}, not a token id (a "
+                                             "non-negative integer)")
+    return [int(t) for t in parts]
 
 
 def _fail(cmd: str, err: Exception) -> int:
@@ -28,9 +37,9 @@ def _fail(cmd: str, err: Exception) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt (text to stdout as it is produced, or one JSON object)."""
-    from .engine import Engine
     from dsv4.contract.errors import EngineError, RequestError
-    from .sampling import SamplingParams
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -49,7 +58,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not args.prompt:
                 raise RequestError("prompt is empty")
             prompt = args.prompt
-        chunks = eng.stream(prompt, params, add_bos=not args.no_bos)
+        ids = list(prompt) if isinstance(prompt, list) else eng.encode(prompt, add_bos=not args.no_bos)
+        eng.check_ids(ids)
+        eng.check_length(len(ids), params.max_new_tokens)  # the server's rule for oversized requests
+        chunks = eng.stream(ids, params, add_bos=False)
         if args.echo and not args.json:
             if isinstance(prompt, str):
                 sys.stdout.write(prompt)
@@ -84,8 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Per-token log-probabilities and perplexity of a text or id sequence."""
-    from .engine import Engine
     from dsv4.contract.errors import EngineError, RequestError
+    from dsv4.runtime.engine import Engine
 
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
@@ -110,7 +122,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("export_dir", metavar="OUT", help="export directory (config.json, model.irpa, vmfb)")
+    p.add_argument("export_dir", metavar="OUT", help="export directory (config.json, the .irpa weight shards, a vmfb per target)")
     p.add_argument("--device", default="local-task", choices=["local-task", "local-sync", "cuda", "hip"],
                    help="IREE driver: local-task/local-sync run the llvm-cpu vmfb, cuda the cuda one, hip the "
                         "gfx942 one (default: local-task)")
@@ -122,16 +134,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def add_parsers(subparsers: Any) -> None:
-    """Register `generate` and `score` on the `dsv4` command's subparsers."""
-    g = subparsers.add_parser("generate", help="continue a prompt with a compiled export (torch-free)",
+def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
+    """Register `generate` or `score` (`name`) on the `dsv4` command's subparsers."""
+    return (_add_generate if name == "generate" else _add_score)(subparsers)
+
+
+def _add_generate(subparsers: Any) -> argparse.ArgumentParser:
+    g = add_command(subparsers, "generate",
                               description="Continue a prompt with a compiled export: the text streams to stdout "
                                           "as it is produced; a summary line (tokens, stop reason, timing) goes to "
                                           "stderr. Greedy unless --temperature > 0.")
     _common(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the export's tokenizer)")
-    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as given")
+    src.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids, used as given")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (needs jinja2)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0 = greedy)")
@@ -143,13 +159,17 @@ def add_parsers(subparsers: Any) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=cmd_generate)
+    return g
 
-    s = subparsers.add_parser("score", help="log-probabilities and perplexity with a compiled export",
+
+def _add_score(subparsers: Any) -> argparse.ArgumentParser:
+    s = add_command(subparsers, "score",
                               description="Per-token log-probabilities and the perplexity of a text, with the "
                                           "export's score_bs1 entry point (exports made with --no-score, as "
                                           "`make run`'s, lack it).")
     _common(s)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to score (needs the export's tokenizer)")
-    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids to score")
+    src.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids to score")
     s.set_defaults(fn=cmd_score)
+    return s
