@@ -1,15 +1,27 @@
-"""Shared test fixtures: the one-thread switch and the cache of exported models.
+"""Shared test fixtures: the one-thread switch, the cache of exported models, and the slow rule.
 
 Exports take minutes on 2 cores, so each export fixture builds once and caches the result under
-`.cache/<tag>-<key>/`, the key hashing GRAPH_SOURCES (the one list of what shapes an exported
-graph), the fixture's own key parts (config, export arguments, weights) and the compiler version.
-Delete `.cache/` to force fresh exports. Tests that build or run a compiled export carry the
-`slow` marker: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make test`) runs all."""
+`.cache/<tag>-<key>/`, the key hashing graph_sources() (every file that shapes an exported graph or
+its parameters), the fixture's own key parts (config, export arguments, weights) and the compiler
+version. `cached_export` is the only export cache of the suite; no environment variable points a
+test at a prebuilt export. Delete `.cache/` to force fresh exports.
+
+The slow rule: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make test`) runs all.
+* A test is `slow` when a fixture it uses (directly or through other fixtures) calls cached_export,
+  export_model or compile_mlir (found in the fixtures' source at collection), or when it says so.
+* Everything else runs under tests/compile_guard/guard.py: a compile of any kind (iree-compile
+  process, in-process compiler, cached_export) in a test not marked slow fails it with "this test
+  compiles: mark it slow", in the pytest process at the call and in a child process the test
+  started when the test ends. The one allowance is the `kernel_compile` fixture (one small kernel
+  module per call, cached under .cache/kernels/) and the export's target preflight."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +29,8 @@ from typing import Any, Callable, Iterable
 
 import pytest
 import torch
+
+from compile_guard import guard as compile_guard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +66,9 @@ def export_key(key_parts: Iterable[Any]) -> str:
 
 
 def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[Any]) -> Path:
-    """`.cache/<tag>-<key>`, made by `build(directory)` (an export_model call) when missing."""
+    """`.cache/<tag>-<key>`, made by `build(directory)` (an export_model call) when missing.
+    A test that gets an export is slow even when the cache holds it: a fresh clone builds it."""
+    compile_guard.compiling(f"cached_export({tag!r})")
     cache = REPO / ".cache" / f"{tag}-{export_key(key_parts)}"
     if not (cache / "config.json").is_file():
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -67,17 +83,118 @@ def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[An
     return cache
 
 
-# fixtures holding a compiled export of a real model (minutes to build, minutes of tests on top)
-EXPORT_FIXTURES = ("art", "tiny_export", "export_dir", "bench_export", "serve_export", "k512", "batchinv_export",
-                   "noweights_export")
+# ---- the slow rule ----------------------------------------------------------------------------
+
+# a fixture whose source calls one of these builds an export or compiles: its tests are slow
+_COMPILING_CALL = re.compile(r"\b(cached_export|export_model|compile_mlir|compile_str|compile_file)\(")
+_GUARD_SITE = Path(__file__).resolve().parent / "compile_guard"
+_current: dict[str, Any] = {"item": None, "compiles": []}
+
+
+def _fixture_compiles(fixturedef: Any) -> bool:
+    if fixturedef.argname == "kernel_compile":  # the allowance
+        return False
+    try:
+        src = inspect.getsource(fixturedef.func)
+    except (OSError, TypeError):
+        return False
+    return bool(_COMPILING_CALL.search(src))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that needs an export fixture is `slow`; tests that compile by themselves carry
-    the marker explicitly."""
+    """Every test that uses a compiling fixture (see _COMPILING_CALL) is `slow`; tests that compile
+    by themselves carry the marker explicitly (the guard fails them otherwise)."""
+    seen: dict[Any, bool] = {}
     for item in items:
-        if any(f in getattr(item, "fixturenames", ()) for f in EXPORT_FIXTURES):
-            item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("slow"):
+            continue
+        for name in item.fixturenames:
+            for fd in info.name2fixturedefs.get(name, ()):
+                if fd not in seen:
+                    seen[fd] = _fixture_compiles(fd)
+                if seen[fd]:
+                    item.add_marker(pytest.mark.slow)
+                    break
+            else:
+                continue
+            break
+
+
+def _report_compile(what: str) -> None:
+    item = _current["item"]
+    if item is None or item.get_closest_marker("slow"):
+        return
+    _current["compiles"].append(what)
+    pytest.fail(f"{item.nodeid}: this test compiles ({what}): mark it slow", pytrace=True)
+
+
+compile_guard.install(_report_compile)
+# child Python processes load tests/compile_guard/sitecustomize.py (logs their compiles)
+os.environ["PYTHONPATH"] = os.pathsep.join([str(_GUARD_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any):
+    slow = item.get_closest_marker("slow") is not None
+    log = None
+    if not slow:
+        fd, log = tempfile.mkstemp(prefix="dsv4-compile-guard-", suffix=".log")
+        os.close(fd)
+        os.environ["DSV4_COMPILE_GUARD_LOG"] = log
+    _current["item"], _current["compiles"] = item, []
+    try:
+        yield
+    finally:
+        _current["item"] = None
+        os.environ.pop("DSV4_COMPILE_GUARD_LOG", None)
+        if log:
+            os.unlink(log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A compile the test caught and swallowed (`except BaseException`) still fails it."""
+    result = yield
+    if _current["compiles"]:
+        pytest.fail(f"{item.nodeid}: this test compiles ({_current['compiles'][0]}): mark it slow", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:
+    """After the fixtures' teardown: what the test's child processes compiled."""
+    log = os.environ.get("DSV4_COMPILE_GUARD_LOG")
+    child = Path(log).read_text().strip() if log and Path(log).is_file() else ""
+    if child and _current["item"] is item:
+        Path(log).write_text("")
+        pytest.fail(f"{item.nodeid}: this test compiles in a child process: mark it slow\n{child}", pytrace=False)
+
+
+@pytest.fixture
+def kernel_compile():
+    """The one allowance of the slow rule: `compile(mlir_text, name)` compiles one small kernel
+    module for llvm-cpu (seconds) and returns the .vmfb path, cached under .cache/kernels/ by the
+    MLIR text (the rendered templates), the flags and the compiler version."""
+    import iree.compiler
+
+    from dsv4.export.compile import compile_mlir, resolve_target
+
+    tgt = resolve_target("llvm-cpu")
+
+    def compile(mlir: str, name: str) -> Path:
+        h = hashlib.sha256(mlir.encode())
+        h.update(json.dumps([tgt.flags, str(getattr(iree.compiler, "__version__", ""))]).encode())
+        out = REPO / ".cache" / "kernels" / f"{name}-{h.hexdigest()[:16]}.vmfb"
+        if not out.is_file():
+            tmp = out.with_name(f".{out.name}.{os.getpid()}")
+            with compile_guard.allowed():
+                compile_mlir(mlir, tgt, tmp, log_path=tmp.with_suffix(".log"))
+            tmp.rename(out)
+            tmp.with_suffix(".log").unlink(missing_ok=True)
+        return out
+
+    return compile
 
 
 @pytest.fixture(scope="module")
