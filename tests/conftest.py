@@ -61,7 +61,11 @@ def export_key(key_parts: Iterable[Any]) -> str:
             h.update(part.read_bytes())
         else:
             h.update(json.dumps(part, sort_keys=True, default=repr).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
+    # the toolchain: the compiler, and the tracer (torch.export, iree-turbine) that makes the MLIR
+    from importlib.metadata import version
+
+    h.update(json.dumps([str(getattr(iree.compiler, "__version__", "")), version("iree-base-compiler"),
+                         version("iree-turbine"), torch.__version__]).encode())
     return h.hexdigest()[:16]
 
 

@@ -835,16 +835,10 @@ TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_s
 @pytest.fixture(scope="session")
 def tiny_export() -> Path:
     """The tiny preset exported for llvm-cpu (5-15 min on 2 cores, so cached under .cache/ by
-    tests/conftest.py; DSV4_RUNTIME_TEST_EXPORT_DIR=<dir> points at an export made with the same args).
-    The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
-    import os
-
+    tests/conftest.py). The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
     from conftest import cached_export
 
     from dsv4.export.exporter import export_model
-
-    if os.environ.get("DSV4_RUNTIME_TEST_EXPORT_DIR"):
-        return Path(os.environ["DSV4_RUNTIME_TEST_EXPORT_DIR"])
 
     def build(out: Path) -> None:
         cfg, model = _tiny_model()
