@@ -175,7 +175,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:
         pytest.fail(f"{item.nodeid}: this test compiles in a child process: mark it slow\n{child}", pytrace=False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def kernel_compile():
     """The one allowance of the slow rule: `compile(mlir_text, name)` compiles one small kernel
     module for llvm-cpu (seconds) and returns the .vmfb path, cached under .cache/kernels/ by the
