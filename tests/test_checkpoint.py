@@ -216,14 +216,39 @@ def official_inventory(cfg: ModelConfig) -> dict[str, tuple[str, list[int]]]:
 # ---- fixtures ---------------------------------------------------------------------------------
 
 
+def grid_cfg() -> ModelConfig:
+    """tiny widened so that the dense FP8 weights have 2-D 128x128 block-scale grids (wq_a, the shared
+    experts, wkv: 2x2; wq_b: 4x2): the presets' grids are 1xN or Nx1, where a transposed grid read
+    fails on shape or goes unnoticed."""
+    return ModelConfig.preset("tiny").replace(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256)
+
+
+def scatter_block_scales(model: Transformer, seed: int) -> Transformer:
+    """Multiply each 128x128 block of every 2-D weight by its own random power of two (2^-2..2^2), with
+    the two off-diagonal blocks of every 2x2 corner different: the written E8M0 grids are then random
+    and never symmetric, so reading one transposed changes values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() != 2 or min(p.shape) < 256 or not p.dtype.is_floating_point:
+                continue
+            nb, kb = math.ceil(p.shape[0] / 128), math.ceil(p.shape[1] / 128)
+            e = torch.randint(-2, 3, (nb, kb), generator=g)
+            if e[0, 1] == e[1, 0]:
+                e[0, 1] = e[1, 0] + (1 if e[1, 0] < 2 else -1)
+            f = torch.exp2(e.float()).repeat_interleave(128, 0).repeat_interleave(128, 1)
+            p.mul_(f[: p.shape[0], : p.shape[1]])
+    return model
+
+
 @pytest.fixture(scope="module")
 def cfg():
-    return ModelConfig.preset("tiny")
+    return grid_cfg()
 
 
 @pytest.fixture(scope="module")
 def float_model(cfg):
-    return init_random(Transformer(cfg, dtype=torch.float32), seed=0, std=0.02)
+    return scatter_block_scales(init_random(Transformer(cfg, dtype=torch.float32), seed=0, std=0.02), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +371,9 @@ def test_base_style_fp8_experts_and_float32_scales(float_model, cfg, tmp_path):
     base_cfg = cfg.replace(expert_dtype="fp8", quantization_config={**cfg.quantization_config, "scale_fmt": "fp32"})
     d = write_checkpoint(float_model, base_cfg, tmp_path / "base")
     h = header(d)
-    assert h["layers.0.ffn.experts.0.w1.weight"] == ("F8_E4M3", [128, 128])
-    assert h["layers.0.ffn.experts.0.w1.scale"] == ("F32", [1, 1])
-    assert h["layers.0.attn.wq_b.scale"] == ("F32", [4, 1])
+    assert h["layers.0.ffn.experts.0.w1.weight"] == ("F8_E4M3", [256, 256])  # grid_cfg: moe_inter x hidden
+    assert h["layers.0.ffn.experts.0.w1.scale"] == ("F32", [2, 2])
+    assert h["layers.0.attn.wq_b.scale"] == ("F32", [4, 2])  # heads x head_dim = 512 by q_lora_rank 256
     m = load_checkpoint(d)
     st = m.state_dict()
     assert st["layers.0.attn.wq_b.scale"].dtype == torch.float32  # the model.py scale_fmt knob
