@@ -201,6 +201,40 @@ def kernel_compile():
     return compile
 
 
+# ---- model configs for the checkpoint and export tests --------------------------------------------
+
+def grid_cfg():
+    """tiny widened so that the dense FP8 weights have 2-D 128x128 block-scale grids (wq_a, the shared
+    experts, wkv: 2x2; wq_b: 4x2) and the routed experts are 256x256 (re-encoded as FP8: 2x2). The
+    presets' grids are 1xN or Nx1, where a transposed grid read fails on shape or goes unnoticed."""
+    from dsv4.model.config import ModelConfig
+
+    return ModelConfig.preset("tiny").replace(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256)
+
+
+def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
+    """Multiply each 128x128 block of every float weight of at least 256x256 (and, with `stacks`, of
+    each matrix of the stacked expert weights) by
+    its own random power of two (2^-2..2^2), the two off-diagonal blocks of every 2x2 corner different:
+    the quantized checkpoint's scale grids are then random and never symmetric, so a grid read
+    transposed changes values."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() < 2 or (p.dim() > 2 and not stacks) or min(p.shape[-2:]) < 256 or not p.dtype.is_floating_point:
+                continue
+            for m in p.view(-1, *p.shape[-2:]):
+                nb, kb = math.ceil(m.shape[0] / 128), math.ceil(m.shape[1] / 128)
+                e = torch.randint(-2, 3, (nb, kb), generator=g)
+                if e[0, 1] == e[1, 0]:
+                    e[0, 1] = e[1, 0] + (1 if e[1, 0] < 2 else -1)
+                f = torch.exp2(e.float()).repeat_interleave(128, 0).repeat_interleave(128, 1)
+                m.mul_(f[: m.shape[0], : m.shape[1]])
+    return model
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: OpenMP threads only add synchronization (and spin-waiting on a busy 2-core box).

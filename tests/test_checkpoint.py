@@ -7,6 +7,9 @@ What is checked, and against what:
   per layer), float tensors value-exact, `wo_a` dequantized exactly; writing the loaded model again
   gives the same bytes (only `wo_a`, re-quantized from its dequantized values, may pick a smaller
   scale: same values);
+- the config (conftest.grid_cfg) gives the dense FP8 weights 2-D block-scale grids, and the float
+  model's 128x128 blocks are scaled by random powers of two first, so the grids are random and
+  asymmetric: a grid read transposed changes bytes and logits;
 - the transformers layout (renamed, experts stacked as gate_up/down, transformers-form config.json)
   loads into the very same model;
 - logits: a float64 reference whose weights are decoded here from the raw bytes (own E2M1 / e4m3fn /
@@ -58,6 +61,8 @@ from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 from dsv4.contract.tokenizer import load_tokenizer
 from dsv4.train.tokenizer import corpus_tokenizer
+
+from conftest import grid_cfg, scatter_block_scales
 
 S = 40  # crosses the window (8) five times, ratio-4 entries ten times, ratio-16 entries twice
 EVAL = dict(quant_sim=False, index_topk=64)  # no QAT sims, every visible CSA entry selected
@@ -214,31 +219,6 @@ def official_inventory(cfg: ModelConfig) -> dict[str, tuple[str, list[int]]]:
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-
-
-def grid_cfg() -> ModelConfig:
-    """tiny widened so that the dense FP8 weights have 2-D 128x128 block-scale grids (wq_a, the shared
-    experts, wkv: 2x2; wq_b: 4x2): the presets' grids are 1xN or Nx1, where a transposed grid read
-    fails on shape or goes unnoticed."""
-    return ModelConfig.preset("tiny").replace(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256)
-
-
-def scatter_block_scales(model: Transformer, seed: int) -> Transformer:
-    """Multiply each 128x128 block of every 2-D weight by its own random power of two (2^-2..2^2), with
-    the two off-diagonal blocks of every 2x2 corner different: the written E8M0 grids are then random
-    and never symmetric, so reading one transposed changes values."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() != 2 or min(p.shape) < 256 or not p.dtype.is_floating_point:
-                continue
-            nb, kb = math.ceil(p.shape[0] / 128), math.ceil(p.shape[1] / 128)
-            e = torch.randint(-2, 3, (nb, kb), generator=g)
-            if e[0, 1] == e[1, 0]:
-                e[0, 1] = e[1, 0] + (1 if e[1, 0] < 2 else -1)
-            f = torch.exp2(e.float()).repeat_interleave(128, 0).repeat_interleave(128, 1)
-            p.mul_(f[: p.shape[0], : p.shape[1]])
-    return model
 
 
 @pytest.fixture(scope="module")
