@@ -12,8 +12,8 @@ The slow rule: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make te
 * Everything else runs under tests/compile_guard/guard.py: a compile of any kind (iree-compile
   process, in-process compiler, cached_export) in a test not marked slow fails it with "this test
   compiles: mark it slow", in the pytest process at the call and in a child process the test
-  started when the test ends. The one allowance is the `kernel_compile` fixture (one small kernel
-  module per call, cached under .cache/kernels/) and the export's target preflight."""
+  started when the test ends. The allowances: compile_small (the `kernel_compile` fixture: one small
+  module per call, seconds, cached under .cache/kernels/) and the export's target preflight."""
 
 from __future__ import annotations
 
@@ -175,30 +175,34 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:
         pytest.fail(f"{item.nodeid}: this test compiles in a child process: mark it slow\n{child}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def kernel_compile():
-    """The one allowance of the slow rule: `compile(mlir_text, name)` compiles one small kernel
-    module for llvm-cpu (seconds) and returns the .vmfb path, cached under .cache/kernels/ by the
-    MLIR text (the rendered templates), the flags and the compiler version."""
+def compile_small(mlir: str, name: str) -> Path:
+    """The slow rule's allowance: compile one small module (a kernel template at a tiny shape, the
+    runtime tests' toy model: seconds each) for llvm-cpu and return the .vmfb path, cached under
+    .cache/kernels/ by the MLIR text (the rendered templates included), the flags and the compiler
+    version. Only tests/test_kernel_templates.py (through `kernel_compile`) and tests/test_runtime.py's
+    toy export call it; anything bigger is an export and slow."""
     import iree.compiler
 
     from dsv4.export.compile import compile_mlir, resolve_target
 
     tgt = resolve_target("llvm-cpu")
+    h = hashlib.sha256(mlir.encode())
+    h.update(json.dumps([tgt.flags, str(getattr(iree.compiler, "__version__", ""))]).encode())
+    out = REPO / ".cache" / "kernels" / f"{name}-{h.hexdigest()[:16]}.vmfb"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        with compile_guard.allowed():
+            compile_mlir(mlir, tgt, tmp, log_path=tmp.with_suffix(".log"))
+        tmp.rename(out)
+        tmp.with_suffix(".log").unlink(missing_ok=True)
+    return out
 
-    def compile(mlir: str, name: str) -> Path:
-        h = hashlib.sha256(mlir.encode())
-        h.update(json.dumps([tgt.flags, str(getattr(iree.compiler, "__version__", ""))]).encode())
-        out = REPO / ".cache" / "kernels" / f"{name}-{h.hexdigest()[:16]}.vmfb"
-        if not out.is_file():
-            tmp = out.with_name(f".{out.name}.{os.getpid()}")
-            with compile_guard.allowed():
-                compile_mlir(mlir, tgt, tmp, log_path=tmp.with_suffix(".log"))
-            tmp.rename(out)
-            tmp.with_suffix(".log").unlink(missing_ok=True)
-        return out
 
-    return compile
+@pytest.fixture(scope="session")
+def kernel_compile() -> Callable[[str, str], Path]:
+    """`compile(mlir_text, name) -> .vmfb`: conftest.compile_small, the one compile a fast test may make."""
+    return compile_small
 
 
 # ---- model configs for the checkpoint and export tests --------------------------------------------
