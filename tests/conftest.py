@@ -239,6 +239,33 @@ def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
     return model
 
 
+# ---- exports shared across test modules ------------------------------------------------------------
+# Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
+# on the same one share it here.
+
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
+                          max_chunk=64)
+EMBEDDED_BF16_MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def embedded_bf16_export() -> Path:
+    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill and decode batch
+    sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
+    tests/test_batch_invariance.py (bs1 against bs4 bit for bit, which is also why the server may
+    serve a request alone or among others through different batch sizes)."""
+    from dsv4.export.exporter import export_model
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+
+    def build(out: Path) -> None:
+        model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
+                                overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
+        export_model(model, model.cfg, out, **EMBEDDED_BF16_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+
+    files = sorted(EMBEDDED_CHECKPOINT.glob("*.json")) + sorted(EMBEDDED_CHECKPOINT.glob("*.safetensors"))
+    return cached_export("embedded-bf16", build, [*files, sorted(EMBEDDED_BF16_ARGS.items()), EMBEDDED_BF16_MAX_SEQ_LEN])
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: OpenMP threads only add synchronization (and spin-waiting on a busy 2-core box).

@@ -8,11 +8,10 @@
   own score function, every bad-request class -> 400 with OpenAI's error body, 401 without the key,
   hang-ups free their slot, overload -> 503 + Retry-After, /metrics counters move, SIGTERM drains.
 
-The export is the embedded default checkpoint with ONE batch size (4) for prefill and decode and 4
-slots, so a request runs through the same compiled functions alone and among others: greedy
-equality then tests the engine's slot bookkeeping (no cross-talk), not whether two different
-compiled batch sizes round alike (batch invariance is another test's subject). Cached under
-.cache/serve-<key> by tests/conftest.py's cached_export.
+The export is the embedded default checkpoint, batch sizes 1 and 4, 4 slots (tests/conftest.py's
+embedded_bf16_export, shared with tests/test_batch_invariance.py, which holds its bs1 and bs4
+functions to the same bits): greedy equality of a request alone and among others then tests the
+engine's slot bookkeeping (no cross-talk).
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ KEY = "test-key-123"
 MODEL = "dsv4-small"
 SLOTS = 4
 MAX_QUEUE = 12
-MAX_SEQ_LEN = 512  # long enough that max_seq_len - 16 greedy tokens outlast the short timeouts below (~2.5 ms/token here)
-EXPORT_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(4,), n_slots=SLOTS, max_chunk=64)
+MAX_SEQ_LEN = 512  # the shared export's (tests/conftest.py); long enough that max_seq_len - 16 greedy tokens outlast the short timeouts below (~2.5 ms/token here)
 PROMPTS = ["The list data type has some more methods.", "Here are all of the methods of list objects:",
            "A function definition", "The for statement in Python", "Strings can be concatenated",
            "You can also add new items", "To iterate over the indices", "The del statement",
@@ -199,24 +197,9 @@ def test_async_engine_cancel_while_its_admission_tick_runs() -> None:
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def serve_export() -> Path:
-    """The embedded checkpoint exported for llvm-cpu with batch size 4 only (minutes; cached by
-    tests/conftest.py's cached_export, whose key covers every graph-shaping source)."""
-    pytest.importorskip("torch")
-    import torch
-
-    from conftest import cached_export
-
-    from dsv4.export.exporter import export_model
-    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
-
-    def build(out: Path) -> None:
-        model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16, overrides={"max_seq_len": MAX_SEQ_LEN})
-        export_model(model, model.cfg, out, **EXPORT_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
-
-    files = [EMBEDDED_CHECKPOINT / n for n in ("model.safetensors", "config.json", "tokenizer.json",
-                                                "tokenizer_config.json")]
-    return cached_export("serve", build, [*files, sorted(EXPORT_ARGS.items()), MAX_SEQ_LEN])
+def serve_export(embedded_bf16_export: Path) -> Path:
+    """The embedded checkpoint exported for llvm-cpu (tests/conftest.py's shared export: minutes, cached)."""
+    return embedded_bf16_export
 
 
 def _free_port() -> int:
