@@ -254,13 +254,18 @@ def embedded_bf16_export() -> Path:
     sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
     tests/test_batch_invariance.py (bs1 against bs4 bit for bit, which is also why the server may
     serve a request alone or among others through different batch sizes)."""
+    from dsv4.export import exporter
     from dsv4.export.exporter import export_model
     from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
 
     def build(out: Path) -> None:
         model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
                                 overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
-        export_model(model, model.cfg, out, **EMBEDDED_BF16_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+        # export_model(model, cfg, out, **args) became export_model(model, ExportSpec(**args), out)
+        # on a branch being merged alongside; this runs on either side of that change
+        spec = getattr(exporter, "ExportSpec", None)
+        head = (model, spec(**EMBEDDED_BF16_ARGS), out) if spec else (model, model.cfg, out)
+        export_model(*head, **({} if spec else EMBEDDED_BF16_ARGS), tokenizer=EMBEDDED_CHECKPOINT, progress=print)
 
     files = sorted(EMBEDDED_CHECKPOINT.glob("*.json")) + sorted(EMBEDDED_CHECKPOINT.glob("*.safetensors"))
     return cached_export("embedded-bf16", build, [*files, sorted(EMBEDDED_BF16_ARGS.items()), EMBEDDED_BF16_MAX_SEQ_LEN])
