@@ -12,8 +12,10 @@ The slow rule: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make te
 * Everything else runs under tests/compile_guard/guard.py: a compile of any kind (iree-compile
   process, in-process compiler, cached_export) in a test not marked slow fails it with "this test
   compiles: mark it slow", in the pytest process at the call and in a child process the test
-  started when the test ends. The allowances: compile_small (the `kernel_compile` fixture: one small
-  module per call, seconds, cached under .cache/kernels/) and the export's target preflight."""
+  started when the test ends. The allowances, each explicit and for seconds of compiling:
+  compile_small (the `kernel_compile` fixture: one small module per call, cached under
+  .cache/kernels/), the export's target preflight, and a test marked `small_compile` (a few-line
+  function, eager turbine kernels) whose subject is the compile itself."""
 
 from __future__ import annotations
 
@@ -127,7 +129,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _report_compile(what: str) -> None:
     item = _current["item"]
-    if item is None or item.get_closest_marker("slow"):
+    if item is None or item.get_closest_marker("slow") or item.get_closest_marker("small_compile"):
         return
     _current["compiles"].append(what)
     pytest.fail(f"{item.nodeid}: this test compiles ({what}): mark it slow", pytrace=True)
