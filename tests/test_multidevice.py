@@ -175,6 +175,7 @@ def test_shard_tensors_cuts_whole_tensors_into_the_device_keys() -> None:
     assert shard_key("model.layers.1.attn.indexer.wq_b.weight", 2) is None  # the indexer stays whole
 
 
+@pytest.mark.small_compile  # bench/two_devices.mlir: a minimal module (a second or two)
 def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Path) -> None:
     """bench/two_devices.mlir, the minimal module of docs/scale.md (hangs across two CUDA GPUs with
     IREE 3.13's async allocations, runs without them): compiled for two local devices, run on two
