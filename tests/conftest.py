@@ -1,15 +1,29 @@
-"""Shared test fixtures: the one-thread switch and the cache of exported models.
+"""Shared test fixtures: the one-thread switch, the cache of exported models, and the slow rule.
 
 Exports take minutes on 2 cores, so each export fixture builds once and caches the result under
-`.cache/<tag>-<key>/`, the key hashing GRAPH_SOURCES (the one list of what shapes an exported
-graph), the fixture's own key parts (config, export arguments, weights) and the compiler version.
-Delete `.cache/` to force fresh exports. Tests that build or run a compiled export carry the
-`slow` marker: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make test`) runs all."""
+`.cache/<tag>-<key>/`, the key hashing graph_sources() (every file that shapes an exported graph or
+its parameters), the fixture's own key parts (config, export arguments, weights) and the compiler
+version. `cached_export` is the only export cache of the suite; no environment variable points a
+test at a prebuilt export. Delete `.cache/` to force fresh exports.
+
+The slow rule: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make test`) runs all.
+* A test is `slow` when a fixture it uses (directly or through other fixtures) calls cached_export,
+  export_model or compile_mlir (found in the fixtures' source at collection), or when it says so.
+* Everything else runs under tests/compile_guard/guard.py: a compile of any kind (iree-compile
+  process, in-process compiler, cached_export) in a test not marked slow fails it with "this test
+  compiles: mark it slow", in the pytest process at the call and in a child process the test
+  started when the test ends. The allowances, each explicit and for seconds of compiling:
+  compile_small (the `kernel_compile` fixture: one small module per call, cached under
+  .cache/kernels/), the export's target preflight, and a test marked `small_compile` (a few-line
+  function, eager turbine kernels) whose subject is the compile itself."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +31,8 @@ from typing import Any, Callable, Iterable
 
 import pytest
 import torch
+
+from compile_guard import guard as compile_guard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,12 +63,18 @@ def export_key(key_parts: Iterable[Any]) -> str:
             h.update(part.read_bytes())
         else:
             h.update(json.dumps(part, sort_keys=True, default=repr).encode())
-    h.update(str(getattr(iree.compiler, "__version__", "")).encode())
+    # the toolchain: the compiler, and the tracer (torch.export, iree-turbine) that makes the MLIR
+    from importlib.metadata import version
+
+    h.update(json.dumps([str(getattr(iree.compiler, "__version__", "")), version("iree-base-compiler"),
+                         version("iree-turbine"), torch.__version__]).encode())
     return h.hexdigest()[:16]
 
 
 def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[Any]) -> Path:
-    """`.cache/<tag>-<key>`, made by `build(directory)` (an export_model call) when missing."""
+    """`.cache/<tag>-<key>`, made by `build(directory)` (an export_model call) when missing.
+    A test that gets an export is slow even when the cache holds it: a fresh clone builds it."""
+    compile_guard.compiling(f"cached_export({tag!r})")
     cache = REPO / ".cache" / f"{tag}-{export_key(key_parts)}"
     if not (cache / "config.json").is_file():
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -67,17 +89,188 @@ def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[An
     return cache
 
 
-# fixtures holding a compiled export of a real model (minutes to build, minutes of tests on top)
-EXPORT_FIXTURES = ("art", "tiny_export", "export_dir", "bench_export", "serve_export", "k512", "batchinv_export",
-                   "noweights_export")
+# ---- the slow rule ----------------------------------------------------------------------------
+
+# a fixture whose source calls one of these builds an export or compiles: its tests are slow
+_COMPILING_CALL = re.compile(r"\b(cached_export|export_model|compile_mlir|compile_str|compile_file)\(")
+_GUARD_SITE = Path(__file__).resolve().parent / "compile_guard"
+_current: dict[str, Any] = {"item": None, "compiles": []}
+
+
+def _fixture_compiles(fixturedef: Any) -> bool:
+    if fixturedef.argname == "kernel_compile":  # the allowance
+        return False
+    try:
+        src = inspect.getsource(fixturedef.func)
+    except (OSError, TypeError):
+        return False
+    return bool(_COMPILING_CALL.search(src))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that needs an export fixture is `slow`; tests that compile by themselves carry
-    the marker explicitly."""
+    """Every test that uses a compiling fixture (see _COMPILING_CALL) is `slow`; tests that compile
+    by themselves carry the marker explicitly (the guard fails them otherwise)."""
+    seen: dict[Any, bool] = {}
     for item in items:
-        if any(f in getattr(item, "fixturenames", ()) for f in EXPORT_FIXTURES):
-            item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("slow"):
+            continue
+        for name in item.fixturenames:
+            for fd in info.name2fixturedefs.get(name, ()):
+                if fd not in seen:
+                    seen[fd] = _fixture_compiles(fd)
+                if seen[fd]:
+                    item.add_marker(pytest.mark.slow)
+                    break
+            else:
+                continue
+            break
+
+
+def _report_compile(what: str) -> None:
+    item = _current["item"]
+    if item is None or item.get_closest_marker("slow") or item.get_closest_marker("small_compile"):
+        return
+    _current["compiles"].append(what)
+    pytest.fail(f"{item.nodeid}: this test compiles ({what}): mark it slow", pytrace=True)
+
+
+compile_guard.install(_report_compile)
+# child Python processes load tests/compile_guard/sitecustomize.py (logs their compiles)
+os.environ["PYTHONPATH"] = os.pathsep.join([str(_GUARD_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any):
+    allowed = item.get_closest_marker("slow") or item.get_closest_marker("small_compile")
+    log = None
+    if not allowed:
+        fd, log = tempfile.mkstemp(prefix="dsv4-compile-guard-", suffix=".log")
+        os.close(fd)
+        os.environ["DSV4_COMPILE_GUARD_LOG"] = log
+    _current["item"], _current["compiles"] = item, []
+    try:
+        yield
+    finally:
+        _current["item"] = None
+        os.environ.pop("DSV4_COMPILE_GUARD_LOG", None)
+        if log:
+            os.unlink(log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A compile the test caught and swallowed (`except BaseException`) still fails it."""
+    result = yield
+    if _current["compiles"]:
+        pytest.fail(f"{item.nodeid}: this test compiles ({_current['compiles'][0]}): mark it slow", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:
+    """After the fixtures' teardown: what the test's child processes compiled."""
+    log = os.environ.get("DSV4_COMPILE_GUARD_LOG")
+    child = Path(log).read_text().strip() if log and Path(log).is_file() else ""
+    if child and _current["item"] is item:
+        Path(log).write_text("")
+        pytest.fail(f"{item.nodeid}: this test compiles in a child process: mark it slow\n{child}", pytrace=False)
+
+
+def compile_small(mlir: str, name: str) -> Path:
+    """The slow rule's allowance: compile one small module (a kernel template at a tiny shape, the
+    runtime tests' toy model: seconds each) for llvm-cpu and return the .vmfb path, cached under
+    .cache/kernels/ by the MLIR text (the rendered templates included), the flags and the compiler
+    version. Only tests/test_kernel_templates.py (through `kernel_compile`) and tests/test_runtime.py's
+    toy export call it; anything bigger is an export and slow."""
+    import iree.compiler
+
+    from dsv4.export.compile import compile_mlir, resolve_target
+
+    tgt = resolve_target("llvm-cpu")
+    h = hashlib.sha256(mlir.encode())
+    h.update(json.dumps([tgt.flags, str(getattr(iree.compiler, "__version__", ""))]).encode())
+    out = REPO / ".cache" / "kernels" / f"{name}-{h.hexdigest()[:16]}.vmfb"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        with compile_guard.allowed():
+            compile_mlir(mlir, tgt, tmp, log_path=tmp.with_suffix(".log"))
+        tmp.rename(out)
+        tmp.with_suffix(".log").unlink(missing_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def kernel_compile() -> Callable[[str, str], Path]:
+    """`compile(mlir_text, name) -> .vmfb`: conftest.compile_small, the one compile a fast test may make."""
+    return compile_small
+
+
+# ---- model configs for the checkpoint and export tests --------------------------------------------
+
+def grid_cfg():
+    """tiny widened so that the dense FP8 weights have 2-D 128x128 block-scale grids (wq_a, the shared
+    experts, wkv: 2x2; wq_b: 4x2) and the routed experts are 256x256 (re-encoded as FP8: 2x2). The
+    presets' grids are 1xN or Nx1, where a transposed grid read fails on shape or goes unnoticed."""
+    from dsv4.model.config import ModelConfig
+
+    return ModelConfig.preset("tiny").replace(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256)
+
+
+def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
+    """Multiply each 128x128 block of every float weight of at least 256x256 (and, with `stacks`, of
+    each matrix of the stacked expert weights) by
+    its own random power of two (2^-2..2^2), the two off-diagonal blocks of every 2x2 corner different:
+    the quantized checkpoint's scale grids are then random and never symmetric, so a grid read
+    transposed changes values."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() < 2 or (p.dim() > 2 and not stacks) or min(p.shape[-2:]) < 256 or not p.dtype.is_floating_point:
+                continue
+            for m in p.view(-1, *p.shape[-2:]):
+                nb, kb = math.ceil(m.shape[0] / 128), math.ceil(m.shape[1] / 128)
+                e = torch.randint(-2, 3, (nb, kb), generator=g)
+                if e[0, 1] == e[1, 0]:
+                    e[0, 1] = e[1, 0] + (1 if e[1, 0] < 2 else -1)
+                f = torch.exp2(e.float()).repeat_interleave(128, 0).repeat_interleave(128, 1)
+                m.mul_(f[: m.shape[0], : m.shape[1]])
+    return model
+
+
+# ---- exports shared across test modules ------------------------------------------------------------
+# Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
+# on the same one share it here.
+
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
+                          max_chunk=64)
+EMBEDDED_BF16_MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def embedded_bf16_export() -> Path:
+    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill and decode batch
+    sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
+    tests/test_batch_invariance.py (bs1 against bs4 bit for bit, which is also why the server may
+    serve a request alone or among others through different batch sizes)."""
+    from dsv4.export import exporter
+    from dsv4.export.exporter import export_model
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+
+    def build(out: Path) -> None:
+        model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
+                                overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
+        # export_model(model, cfg, out, **args) became export_model(model, ExportSpec(**args), out)
+        # on a branch being merged alongside; this runs on either side of that change
+        spec = getattr(exporter, "ExportSpec", None)
+        head = (model, spec(**EMBEDDED_BF16_ARGS), out) if spec else (model, model.cfg, out)
+        export_model(*head, **({} if spec else EMBEDDED_BF16_ARGS), tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+
+    files = sorted(EMBEDDED_CHECKPOINT.glob("*.json")) + sorted(EMBEDDED_CHECKPOINT.glob("*.safetensors"))
+    return cached_export("embedded-bf16", build, [*files, sorted(EMBEDDED_BF16_ARGS.items()), EMBEDDED_BF16_MAX_SEQ_LEN])
 
 
 @pytest.fixture(scope="module")

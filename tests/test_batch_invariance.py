@@ -58,13 +58,17 @@ def batchinv_export(request):
     from dsv4.export.exporter import export_model
 
     name = request.param
+    if name == "embedded":  # the export tests/test_serve.py serves (same batch sizes, slots and chunk)
+        from conftest import EMBEDDED_BF16_ARGS
+
+        assert (EMBEDDED_BF16_ARGS["batch_sizes"], EMBEDDED_BF16_ARGS["max_chunk"]) == (BATCH_SIZES, MODELS[name])
+        return name, request.getfixturevalue("embedded_bf16_export")
 
     def build(out: Path) -> None:
         model = _model(name)
         export_model(model, model.cfg, out, max_chunk=MODELS[name], **EXPORT_ARGS)
 
-    weights = sorted((REPO / "model" / "assets" / "small").glob("*.safetensors")) if name == "embedded" else []
-    return name, cached_export(f"batchinv-{name}", build, [name, MODELS[name], sorted(EXPORT_ARGS.items()), *weights])
+    return name, cached_export(f"batchinv-{name}", build, [name, MODELS[name], sorted(EXPORT_ARGS.items())])
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -7,6 +7,9 @@ What is checked, and against what:
   per layer), float tensors value-exact, `wo_a` dequantized exactly; writing the loaded model again
   gives the same bytes (only `wo_a`, re-quantized from its dequantized values, may pick a smaller
   scale: same values);
+- the config (conftest.grid_cfg) gives the dense FP8 weights 2-D block-scale grids, and the float
+  model's 128x128 blocks are scaled by random powers of two first, so the grids are random and
+  asymmetric: a grid read transposed changes bytes and logits;
 - the transformers layout (renamed, experts stacked as gate_up/down, transformers-form config.json)
   loads into the very same model;
 - logits: a float64 reference whose weights are decoded here from the raw bytes (own E2M1 / e4m3fn /
@@ -58,6 +61,8 @@ from dsv4.model.state import new_state
 from dsv4.contract.tokenizer import load_tokenizer
 from dsv4.train.tokenizer import corpus_tokenizer
 from dsv4.cli.checkpoint import checkpoint_make_main
+
+from conftest import grid_cfg, scatter_block_scales
 
 S = 40  # crosses the window (8) five times, ratio-4 entries ten times, ratio-16 entries twice
 EVAL = dict(quant_sim=False, index_topk=64)  # no QAT sims, every visible CSA entry selected
@@ -218,12 +223,12 @@ def official_inventory(cfg: ModelConfig) -> dict[str, tuple[str, list[int]]]:
 
 @pytest.fixture(scope="module")
 def cfg():
-    return ModelConfig.preset("tiny")
+    return grid_cfg()
 
 
 @pytest.fixture(scope="module")
 def float_model(cfg):
-    return init_random(Transformer(cfg, dtype=torch.float32), seed=0, std=0.02)
+    return scatter_block_scales(init_random(Transformer(cfg, dtype=torch.float32), seed=0, std=0.02), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +351,9 @@ def test_base_style_fp8_experts_and_float32_scales(float_model, cfg, tmp_path):
     base_cfg = cfg.replace(expert_dtype="fp8", quantization_config={**cfg.quantization_config, "scale_fmt": "fp32"})
     d = write_checkpoint(float_model, base_cfg, tmp_path / "base")
     h = header(d)
-    assert h["layers.0.ffn.experts.0.w1.weight"] == ("F8_E4M3", [128, 128])
-    assert h["layers.0.ffn.experts.0.w1.scale"] == ("F32", [1, 1])
-    assert h["layers.0.attn.wq_b.scale"] == ("F32", [4, 1])
+    assert h["layers.0.ffn.experts.0.w1.weight"] == ("F8_E4M3", [256, 256])  # grid_cfg: moe_inter x hidden
+    assert h["layers.0.ffn.experts.0.w1.scale"] == ("F32", [2, 2])
+    assert h["layers.0.attn.wq_b.scale"] == ("F32", [4, 2])  # heads x head_dim = 512 by q_lora_rank 256
     m = load_checkpoint(d)
     st = m.state_dict()
     assert st["layers.0.attn.wq_b.scale"].dtype == torch.float32  # the model.py scale_fmt knob

@@ -44,6 +44,7 @@ def test_bad_target_arch_is_refused_before_tracing(tmp_path: Path, capsys, targe
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.small_compile  # a four-line function for a CPU that does not exist (fails at once)
 def test_compile_failure_without_diagnostic_shows_its_first_line(tmp_path: Path) -> None:
     """An LLVM option error has no 'error:' line; the message shows the compiler's first line."""
     from dsv4.export.compile import CompileError, compile_mlir

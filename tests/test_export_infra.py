@@ -174,6 +174,7 @@ BAD_MLIR = """func.func @f(%a: tensor<4xi32>) -> tensor<4xi32> {
 """
 
 
+@pytest.mark.small_compile  # a few-line function that fails to compile (under a second)
 def test_invalid_mlir_raises_short_compile_error(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as ei:
         compile_mlir(BAD_MLIR, "llvm-cpu", tmp_path / "bad.vmfb")
@@ -314,6 +315,7 @@ def test_gfx942_vmfb_contains_gfx942_hsaco(exported: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.small_compile  # eager kernels: turbine compiles each small op in-process (~0.6 s)
 def test_kernel_eager_matches_reference() -> None:
     """Eagerly, the "kernel" impl JIT-runs the same MLIR through IREE local-task."""
     torch.manual_seed(1)

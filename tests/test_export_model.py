@@ -18,7 +18,6 @@ also checks the compiled indices against torch.topk up to exact ties.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -55,15 +54,10 @@ def tiny_model() -> Transformer:
 
 @pytest.fixture(scope="session")
 def art() -> dict:
-    """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model.
-
-    DSV4_TEST_EXPORT_DIR=<dir> uses an export made elsewhere with the same arguments."""
-    if os.environ.get("DSV4_TEST_EXPORT_DIR"):
-        cache = Path(os.environ["DSV4_TEST_EXPORT_DIR"])
-    else:
-        cache = cached_export("export-model",
-                              lambda out: export_model(tiny_model(), tiny_cfg(), out, **EXPORT_ARGS, progress=print),
-                              [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
+    """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model."""
+    cache = cached_export("export-model",
+                          lambda out: export_model(tiny_model(), tiny_cfg(), out, **EXPORT_ARGS, progress=print),
+                          [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
     cfg = json.loads((cache / "config.json").read_text())
     mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], [cache / f for f in cfg["parameters"]])
     return {"dir": cache, "config": cfg, "module": mod, "model": tiny_model()}

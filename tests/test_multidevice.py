@@ -188,6 +188,7 @@ module {
 """
 
 
+@pytest.mark.small_compile  # a minimal module (a second or two)
 def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Path) -> None:
     """TWO_DEVICES_MLIR, the minimal module of docs/scale.md (hangs across two CUDA GPUs with
     IREE 3.13's async allocations, runs without them): compiled for two local devices, run on two

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -485,8 +486,9 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
     import torch
     from iree.turbine import aot
 
+    from conftest import compile_small
+
     from dsv4.export import compat
-    from dsv4.export.compile import compile_mlir
 
     compat.apply()
 
@@ -519,7 +521,8 @@ def _build_toy_export(out: Path, export_id: str = TOY_EXPORT_ID, with_id_fn: boo
         fxb.export_program(lambda m: code.clone(), name="export_id", args=(), strict=False)
     eo = aot.export(fxb, import_symbolic_shape_expressions=True)
     eo.save_mlir(out / "model.mlir")
-    compile_mlir(out / "model.mlir", "llvm-cpu", out / "model.llvm-cpu.vmfb")
+    # a toy-sized module (seconds): conftest's small-compile allowance, cached by its MLIR text
+    shutil.copyfile(compile_small((out / "model.mlir").read_text(), "toy"), out / "model.llvm-cpu.vmfb")
     tok = _toy_tokenizer()
     (out / "tokenizer.json").write_text(tok.to_str())
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -835,16 +838,10 @@ TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_s
 @pytest.fixture(scope="session")
 def tiny_export() -> Path:
     """The tiny preset exported for llvm-cpu (5-15 min on 2 cores, so cached under .cache/ by
-    tests/conftest.py; DSV4_RUNTIME_TEST_EXPORT_DIR=<dir> points at an export made with the same args).
-    The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
-    import os
-
+    tests/conftest.py). The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
     from conftest import cached_export
 
     from dsv4.export.exporter import export_model
-
-    if os.environ.get("DSV4_RUNTIME_TEST_EXPORT_DIR"):
-        return Path(os.environ["DSV4_RUNTIME_TEST_EXPORT_DIR"])
 
     def build(out: Path) -> None:
         cfg, model = _tiny_model()

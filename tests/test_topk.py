@@ -141,6 +141,7 @@ def test_shared_memory_screen_flags_a_race():
     assert shared_memory_races(synced) == [] and shared_memory_races(store_only) == []
 
 
+@pytest.mark.slow  # compiles for three targets (about a minute on 2 cores)
 def test_radix_compiled_alone(tmp_path):
     """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
     against the tie rule (with ties, -inf tails and ulp-spaced negatives), with the bisection traced and

@@ -1,0 +1,270 @@
+"""Every MLIR kernel template (model/kernels/*.mlir.jinja) compiled for llvm-cpu at a small shape and
+run through iree.runtime against a float64 reference written here from the formats' definitions
+(numpy, and torch's own float8 casts), not from the code under test. Fast: one small module per
+template, compiled through conftest's `kernel_compile` (the slow rule's one allowance: a few
+seconds each, cached under .cache/kernels/ by the rendered MLIR and the compiler version).
+
+The weights have 2-D, asymmetric power-of-two scale grids (FP8: 256x256 in 128x128 blocks, MXFP4:
+one scale per 32) with random exponents, so a wrong constant in a decode (e.g. the E8M0 bias, the
+E2M1 exponent bias, a nibble order, a transposed block grid) moves results by factors of two."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dsv4.export  # noqa: F401  (the compat shim turbine needs)
+from dsv4.export.model_kernels import use_kernels
+from dsv4.model.kernels.indexer import indexer_scores
+from dsv4.model.kernels.linear import (
+    f32_linear,
+    fp8_block_linear,
+    fp8_block_linear_stacked,
+    grouped_linear,
+    mxfp4_linear,
+    mxfp4_linear_gathered,
+    mxfp4_linear_stacked,
+)
+from dsv4.model.kernels.mhc import hc_sinkhorn
+from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
+from dsv4.model.kernels.sparse_attention import sparse_attention
+from dsv4.model.kernels.topk import radix_threshold
+from dsv4.runtime.module import IreeModule, ensure_runtime_flags
+
+ensure_runtime_flags()
+RNG = np.random.default_rng(47)
+GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1 magnitudes by code (OCP MX spec)
+
+
+# ---- the independent float64 references ----------------------------------------------------------
+
+def pow2_ceil(r: np.ndarray) -> np.ndarray:
+    """2^ceil(log2(r)) exactly, for positive float32 ratios (frexp: r = m 2^e, m in [0.5, 1))."""
+    m, e = np.frexp(r.astype(np.float64))
+    return np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
+
+
+def e4m3(v: np.ndarray) -> np.ndarray:
+    """Round to the e4m3fn grid (RNE) with torch's cast; v is exact in float32 and within +-448."""
+    return torch.from_numpy(v.astype(np.float32)).to(torch.float8_e4m3fn).double().numpy()
+
+
+def e2m1(v: np.ndarray) -> np.ndarray:
+    """Round to the E2M1 grid, ties to the even code, saturating at 6."""
+    a = np.minimum(np.abs(v), 6.0)
+    d = np.abs(a[..., None] - GRID)
+    tie_rank = np.where(d == d.min(-1, keepdims=True), np.arange(8) % 2, 2)  # nearest, even code first
+    return np.copysign(GRID[tie_rank.argmin(-1)], v)
+
+
+def block_qdq(x: np.ndarray, block: int, fp4: bool) -> np.ndarray:
+    """Per-`block` quantize->dequantize of the last dim: s = 2^ceil(log2(max(amax, floor) / fmax)) with the
+    ratio in float32, round(x / s) on the grid, times s (spec §6's act_quant)."""
+    fmax, floor = (6.0, 6.0 * 2.0**-126) if fp4 else (448.0, 1e-4)
+    xb = x.reshape(*x.shape[:-1], -1, block).astype(np.float64)
+    amax = np.maximum(np.abs(xb).max(-1, keepdims=True), np.float32(floor))
+    s = pow2_ceil(amax.astype(np.float32) / np.float32(fmax))
+    q = e2m1(xb / s) if fp4 else e4m3(xb / s)
+    return (q * s).reshape(x.shape)
+
+
+def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """An e4m3fn weight [n, k] (no NaN codes), its 128x128 E8M0 scale grid with distinct random exponents,
+    and the dequantized float64 weight: code value x 2^(scale - 127) per block."""
+    w = torch.from_numpy(np.clip(RNG.standard_normal((n, k)) * 60, -448, 448).astype(np.float32)).to(torch.float8_e4m3fn)
+    nb, kb = math.ceil(n / 128), math.ceil(k / 128)
+    sc = RNG.permutation(np.arange(114, 114 + nb * kb)).reshape(nb, kb).astype(np.uint8)
+    full = np.kron(np.ldexp(1.0, sc.astype(np.int64) - 127), np.ones((128, 128)))[:n, :k]
+    return w, torch.from_numpy(sc), w.double().numpy() * full
+
+
+def mxfp4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Packed MXFP4 [n, k/2] (element 2i in the low nibble), E8M0 scales [n, k/32] (random exponents,
+    one of them 0 = 2^-127), and the dequantized float64 weight."""
+    codes = RNG.integers(0, 16, (n, k))
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    sc = RNG.integers(116, 136, (n, k // 32)).astype(np.uint8)
+    sc[0, 0] = 0
+    vals = np.where(codes & 8, -1.0, 1.0) * GRID[codes & 7]
+    return (torch.from_numpy(packed), torch.from_numpy(sc),
+            vals * np.repeat(np.ldexp(1.0, sc.astype(np.int64) - 127), 32, axis=1))
+
+
+def sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def assert_sum_close(got: np.ndarray, want: np.ndarray, mag: np.ndarray, what: str, rtol: float = 4e-5) -> None:
+    """Within fp32 summation error: |got - want| <= rtol * sum |products| (mag), elementwise."""
+    err = np.abs(got.astype(np.float64) - want)
+    bad = err > rtol * mag + 1e-30
+    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} off, worst {float((err / (mag + 1e-30)).max()):.3g} x |sum|"
+
+
+# ---- one small module per template -----------------------------------------------------------------
+
+class _Case(nn.Module):
+    def __init__(self, fn, params: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.params = nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in params])
+
+    def forward(self, *inputs):
+        return self.fn(*inputs, *self.params)
+
+
+def build(cases: dict, kernel_compile, tmp_path, tag: str):
+    """cases: name -> (fn(*inputs, *params), params, inputs, {op: impl}). Traces one entry point per
+    case with static shapes, compiles the module (cached) and returns name -> outputs as numpy."""
+    from iree.turbine import aot
+
+    holder = nn.ModuleDict({k: _Case(fn, params) for k, (fn, params, _, _) in cases.items()})
+    aot.externalize_module_parameters(holder, external_scope="model")
+    irpa = tmp_path / f"{tag}.irpa"
+    aot.save_module_parameters(irpa, holder)
+    fxb = aot.FxProgramsBuilder(holder)
+
+    def entry(k):
+        return lambda m, *xs: m[k](*xs)
+
+    with torch.no_grad():
+        for k, (_, _, inputs, choice) in cases.items():
+            with use_kernels(choice):
+                ep = fxb.export_program(entry(k), name=k, args=tuple(inputs), strict=False)
+            ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+            assert any(o.startswith("dsv4k.") for o in ops), (k, sorted(ops))  # the kernel, not the reference
+    mlir = str(aot.export(fxb, import_symbolic_shape_expressions=False).mlir_module)
+    mod = IreeModule(kernel_compile(mlir, tag), irpa)
+    return {k: [np.asarray(r) for r in (lambda o: o if isinstance(o, (list, tuple)) else [o])(
+        mod(k, *[t.numpy() for t in inputs]))] for k, (_, _, inputs, _) in cases.items()}
+
+
+def test_quant_template_qdq_and_hadamard(kernel_compile, tmp_path) -> None:
+    x = torch.from_numpy((RNG.standard_normal((1, 2, 3, 128)) * np.logspace(-5, 2, 128)).astype(np.float32))
+    x[0, 0, 0, :64] = 0.0  # an all-zero block: the amax floor
+    x[0, 1, 1, :] = torch.from_numpy(np.ldexp(1.0, RNG.integers(-12, 6, 128)).astype(np.float32))  # powers of two
+    out = build({
+        "fp8": (lambda x: fp8_qdq(x, 64), (), [x], {"fp8_qdq": "kernel"}),
+        "fp4": (lambda x: fp4_qdq(x, 32), (), [x], {"fp4_qdq": "kernel"}),
+        "had": (hadamard, (), [x], {"hadamard": "kernel"}),
+    }, kernel_compile, tmp_path, "quant-qdq")
+    xn = x.double().numpy()
+    np.testing.assert_array_equal(out["fp8"][0], block_qdq(xn, 64, fp4=False), err_msg="fp8_qdq")
+    np.testing.assert_array_equal(out["fp4"][0], block_qdq(xn, 32, fp4=True), err_msg="fp4_qdq")
+    h = sylvester(128)
+    assert_sum_close(out["had"][0], xn @ h, np.abs(xn) @ np.abs(h), "hadamard")
+
+
+@pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16"])
+def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
+    w, s, wd = fp8_weight(256, 256)
+    ws, ss, wsd = zip(*[fp8_weight(256, 256) for _ in range(2)])
+    x = torch.from_numpy(RNG.standard_normal((3, 256)).astype(np.float32))
+    xs = torch.from_numpy(RNG.standard_normal((2, 3, 256)).astype(np.float32))
+    cases = {"lin": (fp8_block_linear, (w, s), [x], {"fp8_block_linear": form})}
+    if form in ("kernel", "kernel_fp8"):
+        cases["stacked"] = (fp8_block_linear_stacked, (torch.stack(ws), torch.stack(ss)), [xs],
+                            {"fp8_block_linear_stacked": form})
+    out = build(cases, kernel_compile, tmp_path, f"quant-fp8-{form}")
+    xq = block_qdq(x.double().numpy(), 128, fp4=False)
+    assert_sum_close(out["lin"][0], xq @ wd.T, np.abs(xq) @ np.abs(wd).T, f"fp8_block_linear[{form}]")
+    if "stacked" in out:
+        for e in range(2):
+            xq = block_qdq(xs[e].double().numpy(), 128, fp4=False)
+            assert_sum_close(out["stacked"][0][e], xq @ wsd[e].T, np.abs(xq) @ np.abs(wsd[e]).T,
+                             f"fp8_block_linear_stacked[{form}][{e}]")
+
+
+@pytest.mark.parametrize("form", ["kernel", "kernel_f32"])
+def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> None:
+    p, s, wd = mxfp4_weight(64, 256)
+    ps, ss, wsd = zip(*[mxfp4_weight(64, 256) for _ in range(2)])
+    x = torch.from_numpy(RNG.standard_normal((3, 256)).astype(np.float32))
+    xs = torch.from_numpy(RNG.standard_normal((2, 3, 256)).astype(np.float32))
+    xg = torch.from_numpy(RNG.standard_normal((3, 2, 256)).astype(np.float32))
+    sel = torch.tensor([1, 0, 1])
+    cases = {"lin": (mxfp4_linear, (p, s), [x], {"mxfp4_linear": form}),
+             "stacked": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs], {"mxfp4_linear_stacked": form})}
+    if form == "kernel":
+        cases["gathered"] = (lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel), (torch.stack(ps), torch.stack(ss)),
+                             [xg, sel], {"mxfp4_linear_gathered": "kernel"})
+    out = build(cases, kernel_compile, tmp_path, f"quant-mxfp4-{form}")
+
+    def check(got, xin, w, what):
+        xq = block_qdq(xin.double().numpy(), 128, fp4=False)
+        assert_sum_close(got, xq @ w.T, np.abs(xq) @ np.abs(w).T, what)
+
+    check(out["lin"][0], x, wd, f"mxfp4_linear[{form}]")
+    for e in range(2):
+        check(out["stacked"][0][e], xs[e], wsd[e], f"mxfp4_linear_stacked[{form}][{e}]")
+    if "gathered" in out:
+        for g in range(3):
+            check(out["gathered"][0][g], xg[g], wsd[int(sel[g])], f"mxfp4_linear_gathered[{g}]")
+
+
+def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
+    x = torch.from_numpy(RNG.standard_normal((3, 64)).astype(np.float32))
+    w = torch.from_numpy(RNG.standard_normal((32, 64)).astype(np.float32))
+    xg = torch.from_numpy(RNG.standard_normal((3, 2, 64)).astype(np.float32))
+    wg = torch.from_numpy(RNG.standard_normal((2, 16, 64)).astype(np.float32))
+    q = torch.from_numpy(RNG.standard_normal((1, 3, 4, 32)).astype(np.float32))
+    iw = torch.from_numpy(RNG.standard_normal((1, 3, 4)).astype(np.float32))
+    keys = torch.from_numpy(RNG.standard_normal((1, 16, 32)).astype(np.float32))
+    out = build({
+        "dense": (f32_linear, (w,), [x], {"f32_linear": "kernel"}),
+        "dense16": (f32_linear, (w,), [x], {"f32_linear": "kernel_rows16"}),
+        "grouped": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel"}),
+        "indexer": (indexer_scores, (), [q, iw, keys], {"indexer_scores": "kernel"}),
+    }, kernel_compile, tmp_path, "dense-grouped-indexer")
+    xd, wd = x.double().numpy(), w.double().numpy()
+    for k in ("dense", "dense16"):
+        assert_sum_close(out[k][0], xd @ wd.T, np.abs(xd) @ np.abs(wd).T, k)
+    xgd, wgd = xg.double().numpy(), wg.double().numpy()
+    want = np.einsum("tgk,gnk->tgn", xgd, wgd)
+    assert_sum_close(out["grouped"][0], want, np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd)), "grouped_linear")
+    qd, iwd, kd = q.double().numpy(), iw.double().numpy(), keys.double().numpy()
+    dots = np.einsum("bthd,brd->bthr", qd, kd)
+    want = (np.maximum(dots, 0) * iwd[..., None]).sum(2)
+    mag = (np.einsum("bthd,brd->bthr", np.abs(qd), np.abs(kd)) * np.abs(iwd)[..., None]).sum(2)
+    assert_sum_close(out["indexer"][0], want, mag, "indexer_scores")
+
+
+def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
+    comb = torch.from_numpy(RNG.uniform(0.05, 3.0, (3, 4, 4)).astype(np.float32))
+    q = torch.from_numpy(RNG.standard_normal((1, 2, 4, 32)).astype(np.float32))
+    kv = torch.from_numpy(RNG.standard_normal((1, 16, 32)).astype(np.float32))
+    idx = torch.tensor([[[3, 0, 15, -1, 7, 7], [-1, -1, 2, 9, 11, 4]]])
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    key = torch.from_numpy(RNG.integers(0, 2**32, (3, 40)))
+    key[1, :10] = key[1, 10]  # ties at the threshold
+    out = build({
+        "mhc": (lambda c: hc_sinkhorn(c, 20, 1e-6), (), [comb], {"hc_sinkhorn": "kernel"}),
+        "attn": (lambda q, kv, idx, sink: sparse_attention(q, kv, idx, sink, 0.17), (), [q, kv, idx, sink],
+                 {"sparse_attention": "kernel"}),
+        "radix": (lambda k: radix_threshold(k, 5), (), [key], {"radix_threshold": "kernel"}),
+    }, kernel_compile, tmp_path, "mhc-attn-topk")
+    c = comb.double().numpy()
+    c = c / (c.sum(-2, keepdims=True) + 1e-6)
+    for _ in range(19):
+        c = c / (c.sum(-1, keepdims=True) + 1e-6)
+        c = c / (c.sum(-2, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(out["mhc"][0], c, rtol=2e-5, atol=1e-7, err_msg="hc_sinkhorn")
+    qd, kvd, sd = q.double().numpy()[0], kv.double().numpy()[0], sink.double().numpy()
+    want = np.zeros_like(qd)
+    for t in range(2):
+        ids = [int(i) for i in idx[0, t] if i >= 0]
+        for h in range(4):
+            logits = np.array([qd[t, h] @ kvd[i] * 0.17 for i in ids] + [sd[h]])
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            want[t, h] = sum(pi * kvd[i] for pi, i in zip(p[:-1], ids))  # the sink takes weight, adds nothing
+    np.testing.assert_allclose(out["attn"][0][0], want, rtol=1e-5, atol=1e-6, err_msg="sparse_attention")
+    kth = np.sort(key.numpy(), -1)[:, -5:-4]  # the 5th largest key: the largest t with count(key >= t) >= 5
+    np.testing.assert_array_equal(out["radix"][0], kth, err_msg="radix_threshold")
