@@ -189,7 +189,9 @@ def test_gradients_through_state_writes_match_finite_differences(name, indexer_w
 
 
 def test_routed_moe_kernel_matches_the_reference():
-    model = micro()
+    """In float64: in float32 the two expert forms' summation orders differ by an ulp, enough to flip a
+    near-tied indexer top-k in a later layer and move that layer's indexer gradients by a few %."""
+    model = micro(dtype=torch.float64)
     b = batch()
     ps = [p for p in model.parameters() if p.requires_grad]
 

@@ -11,7 +11,7 @@ explicit and narrow: `allowed()` (tests/conftest.py's `kernel_compile` fixture) 
 target preflight (dsv4.export.compile.check_target compiles a four-line function once per process).
 
 The pytest process installs it from tests/conftest.py; child processes a test starts (`python -m
-dsv4.runtime.cli export ...`) install it from tests/compile_guard/sitecustomize.py, which conftest
+dsv4.cli export ...`) install it from tests/compile_guard/sitecustomize.py, which conftest
 puts on PYTHONPATH, and append what they compiled to the file $DSV4_COMPILE_GUARD_LOG.
 Importing this module imports nothing heavy: the iree.compiler and dsv4.export hooks wait for
 those modules to be imported (runtime-only tests check that a child never imports them)."""
