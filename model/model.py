@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quant import sim as quant_sim
+from .quant.formats import FP8_BLOCK
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
 from .kernels.linear import f32_linear, grouped_linear, linear
@@ -33,8 +34,6 @@ from .kernels.topk import topk_indices
 from .state import LayerState, StateLayout
 
 __all__ = ["Transformer", "Batch", "rope_table", "empty_model", "init_random"]
-
-FP8_BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
