@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.model.kernels.linear import f32_linear
-from dsv4.model.model import Attention, Experts, Linear, gather_rows
+from dsv4.model.layers import Linear
+from dsv4.model.model import Attention, gather_rows
+from dsv4.model.moe import Experts
 from dsv4.model.quant.formats import FP8_BLOCK
 from dsv4.contract.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
