@@ -9,8 +9,8 @@ tokenizer belongs to. The special tokens follow DeepSeek-V4's config: ``<｜begi
 is id 0 (bos) and ``<｜end▁of▁sentence｜>`` id 1 (eos). There is no post-processor, so encoding
 never adds tokens behind the caller's back: the runtime/training code adds bos/eos explicitly.
 
-Reading (`read_tokenizer`, `read_tokenizer_config`) and literal encoding (`literal_ids`,
-`literal_ids_batch`) hold for any export's tokenizer (a released checkpoint's too, whose special
+Reading (`read_tokenizer`, `read_tokenizer_config`) and encoding (`literal_ids`, `literal_ids_batch`
+for text, `template_ids` for a rendered chat template) hold for any export's tokenizer (a released checkpoint's too, whose special
 ids differ); `load_tokenizer`, `encode` and `decode` add the embedded format's bos/eos rules.
 """
 
@@ -36,6 +36,7 @@ __all__ = [
     "load_tokenizer",
     "literal_ids",
     "literal_ids_batch",
+    "template_ids",
     "tokenizer_config",
     "encode",
     "decode",
@@ -145,6 +146,16 @@ def literal_ids_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """`literal_ids` of each text (encoded in parallel by tokenizers)."""
     tok.encode_special_tokens = True
     return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def template_ids(tok: Tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered template (the chat template's output), whose special-token strings
+    are the special tokens themselves; the tokenizer is left in literal mode, as `literal_ids` needs."""
+    tok.encode_special_tokens = False
+    try:
+        return tok.encode(text, add_special_tokens=False).ids
+    finally:
+        tok.encode_special_tokens = True
 
 
 def encode(tok: Tokenizer, text: str, bos: bool = False, eos: bool = False) -> list[int]:

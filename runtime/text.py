@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dsv4.contract.errors import EngineError, RequestError
-from dsv4.contract.tokenizer import decode, literal_ids, read_tokenizer, read_tokenizer_config
+from dsv4.contract.tokenizer import decode, literal_ids, read_tokenizer, read_tokenizer_config, template_ids
 
 __all__ = ["TextCodec", "StopMatcher", "IncrementalDecoder"]
 
@@ -50,12 +50,7 @@ class TextCodec:
                 bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template cannot render these messages: {e}") from None
-        tok = self.tokenizer
-        tok.encode_special_tokens = False
-        try:
-            return tok.encode(text, add_special_tokens=False).ids
-        finally:
-            tok.encode_special_tokens = True
+        return template_ids(self.tokenizer, text)
 
 
 class IncrementalDecoder:
