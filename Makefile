@@ -16,15 +16,16 @@ install: $(STAMP)
 
 # The main job on the embedded default model (model/assets/small): export it once for llvm-cpu (run
 # here) and gfx942 (MI300X), then stream a greedy continuation of the fixed prompt from the compiled
-# llvm-cpu module. The export is redone only when the model, the exporter or the weights change.
+# llvm-cpu module. The export is redone only when the model, the exporter or the weights change. It
+# has the default batch sizes (1,4: 4 slots), so `dsv4 serve out/default` runs 4 requests at once.
 EXPORT_DIR ?= out/default
 TARGETS ?= --target llvm-cpu --target gfx942
 PROMPT ?= The list data type has some more methods.
 MAX_NEW_TOKENS ?= 48
-EXPORT_DEPS := $(wildcard contract/*.py model/*.py model/*/*.py model/kernels/*.jinja export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
+EXPORT_DEPS := $(wildcard cli/export.py contract/*.py model/*.py model/*/*.py model/kernels/*.jinja export/*.py model/assets/small/*.json model/assets/small/*.safetensors)
 
 $(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
-	$(BIN)/dsv4 export $(TARGETS) --batch-sizes 1 --no-score -o $(EXPORT_DIR)
+	$(BIN)/dsv4 export $(TARGETS) --no-score -o $(EXPORT_DIR)
 
 run: $(EXPORT_DIR)/config.json
 	$(BIN)/dsv4 generate $(EXPORT_DIR) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --echo

@@ -1,6 +1,6 @@
 """Compiled export vs the eager PyTorch model on the same weights (the export's own .irpa).
 
-    python bench/compiled_vs_eager.py OUT [--device cuda] [--eager-device cuda] [--eager-device2 cpu]
+    python -m dsv4.bench.compiled_vs_eager OUT [--device cuda] [--eager-device cuda] [--eager-device2 cpu]
                                       [--reference-dtype float32] [--prompt-len 100] [--steps 32]
 
 Prefills one random prompt of --prompt-len tokens (one prefill_bs1 call per chunk of at most the
@@ -94,7 +94,8 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.compiled_vs_eager",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="export directory")
     ap.add_argument("--device", default="local-task", help="IREE driver (local-task, cuda, hip)")
     ap.add_argument("--eager-device", default="cpu", help="torch device of the eager model")

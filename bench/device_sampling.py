@@ -1,6 +1,6 @@
 """Sampling on the device vs on the host: decode ms/step of sampled requests through the Engine.
 
-    python bench/device_sampling.py OUT --device cuda --batch 1,8,32,64 --steps 16 [--check]
+    python -m dsv4.bench.device_sampling OUT --device cuda --batch 1,8,32,64 --steps 16 [--check]
 
 For each batch size B, B requests (16-token prompts, temperature 1.0, top_p 0.9, ignore_eos) run
 `steps` decode steps, once with the export's sample_bs{N} (only ids come back) and once sampling on
@@ -62,7 +62,7 @@ def step_ms(eng, batch: int, steps: int, params) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.device_sampling", description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", default="1,8,32,64")

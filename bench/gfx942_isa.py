@@ -1,6 +1,6 @@
-"""Count the matrix-core and FMA instructions in a gfx942 vmfb (issue 15 item 5; docs/performance.md).
+"""Count the matrix-core and FMA instructions in a gfx942 vmfb (a static report: no AMD GPU needed).
 
-    python bench/gfx942_isa.py OUT/model.gfx942.vmfb [more.vmfb ...]
+    python -m dsv4.bench.gfx942_isa OUT/model.gfx942.vmfb [more.vmfb ...]
 
 Disassembles every HSACO code object inside the vmfb with llvm-objdump-19 (Debian: apt-get install
 llvm-19) and prints, per file: kernels (the `.kd` descriptors), v_mfma_* by kind, v_fma_f32 and
@@ -9,11 +9,11 @@ v_fmac_f32 (the f32 FMAs of non-matrix GEMMs), v_cvt_pk_f32_fp8 (hardware fp8 ->
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -48,9 +48,11 @@ def counts(vmfb: Path) -> dict[str, int]:
     return dict(c)
 
 
-def main(argv: list[str]) -> None:
-    if not argv:
-        raise SystemExit(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.gfx942_isa",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("vmfb", nargs="+", help="gfx942 vmfb files (one column each)")
+    argv = ap.parse_args(argv).vmfb
     rows = {p: counts(Path(p)) for p in argv}
     keys = sorted({k for c in rows.values() for k in c}, key=lambda k: (k != "kernels", k))
     print("instruction".ljust(34) + "".join(Path(p).parent.name[-18:].rjust(20) for p in argv))
@@ -59,4 +61,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -8,7 +8,7 @@ case min(E, B*k)) and the all-experts reference (every expert of every layer, to
 the prefill FLOP ratio (rows the grouped path multiplies / routed rows) per chunk length.
 A benchmark, not a test; needs no weights.
 
-    python bench/moe_bytes.py [--preset flash] [--batch 1 16 64] [--block 16]
+    python -m dsv4.bench.moe_bytes [--preset flash] [--batch 1 16 64] [--block 16]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def decode_table(cfg: ModelConfig, batches: list[int], block: int) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.moe_bytes", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="flash")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--block", type=int, default=None, help=f"rows per block (default: the kernel's, {GROUP_BLOCK})")

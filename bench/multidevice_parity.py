@@ -1,6 +1,6 @@
 """Does an N-device export compute what the one-device export computes? (docs/scale.md)
 
-    .venv/bin/python bench/multidevice_parity.py ONE_DEVICE_EXPORT N_DEVICE_EXPORT [--device local-task]
+    python -m dsv4.bench.multidevice_parity ONE_DEVICE_EXPORT N_DEVICE_EXPORT [--device local-task]
         [--prompt-ids 3,17,100,...] [--steps 32] [--json]
 
 Both exports must hold the same weights (same checkpoint, or the same --preset/--seed: the N-device
@@ -33,7 +33,8 @@ def prefill_logits(eng: Engine, prompt: list[int]) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m dsv4.bench.multidevice_parity",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("one", type=Path, help="the one-device export")
     p.add_argument("many", type=Path, help="the N-device export of the same weights")
     p.add_argument("--device", default="local-task")

@@ -1,6 +1,6 @@
 """Fill torch.compile's on-disk caches for the graphs `dsv4 bench --compare torch-compile` will compile.
 
-    TORCHINDUCTOR_CACHE_DIR=DIR python bench/torch_compile_warm.py OUT --device cuda --prefill 128 \
+    TORCHINDUCTOR_CACHE_DIR=DIR python -m dsv4.bench.torch_compile_warm OUT --device cuda --prefill 128 \
         prefill:1 decode:1          # one process per group of shapes, several at once
 
 At Flash dimensions torch.compile takes 110-130 s per static shape and a bench has six (prefill at
@@ -8,7 +8,7 @@ batch 1 and 8, decode at 1/8/32/64): longer than one 10-minute device call. Indu
 caches (FX graph, AOTAutograd, Triton kernels, all under TORCHINDUCTOR_CACHE_DIR) by the graph and
 its input shapes, not by the process, so several processes, each compiling some shapes, fill one
 directory that a later `dsv4 bench` reads: it then pays only Dynamo's tracing per shape. The calls
-here are the bench's own (model.bench_torch.TorchBackend, the plan of dsv4.runtime.bench) with the
+here are the bench's own (dsv4.bench.torch_backends.TorchBackend, the plan of dsv4.bench.speed) with the
 same token/position/slot shapes and state, so the graphs are the bench's.
 
 Prints, per shape, the seconds the first call took and, at the end, Inductor's cache hit/miss
@@ -25,7 +25,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.torch_compile_warm", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="export directory")
     ap.add_argument("shapes", nargs="+", help="prefill:B (B rows of the bench's prefill chunk) or decode:B")
     ap.add_argument("--device", default="cuda", help="IREE driver name the bench gets (its torch device is used)")
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch._dynamo.utils import counters
 
-    from dsv4.model.bench_torch import TorchBackend
+    from dsv4.bench.torch_backends import TorchBackend
     from dsv4.contract.artifact import ExportConfig
-    from dsv4.runtime.bench import build_parser, make_plan
+    from dsv4.bench.speed import build_parser, make_plan
 
     cfg = ExportConfig.load(args.out)
     plan = make_plan(build_parser().parse_args([args.out, "--prefill", str(args.prefill), "--context",

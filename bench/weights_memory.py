@@ -2,11 +2,12 @@
 under `/usr/bin/time -v` and read "Maximum resident set size"; the files are several GB, delete
 them afterwards.
 
-    python bench/weights_memory.py shards DIR                 # write_shards: 8 x 512 MiB into 2 GiB shards
-    python bench/weights_memory.py config DIR [--layers 1]    # config.json of flash, first N layers, no weights
-    dsv4 weights random DIR                                   # (torch-free) random weights for it
-    python bench/weights_memory.py checkpoint DIR CKPT        # DIR's weights as a release checkpoint (safetensors)
-    python bench/weights_memory.py stream CKPT OUT [--fnuz]   # checkpoint_tensors -> write_shards
+    W="python -m dsv4.bench.weights_memory"
+    $W shards DIR                 # write_shards: 8 x 512 MiB into 2 GiB shards
+    $W config DIR [--layers 1]    # config.json of flash, first N layers, no weights
+    dsv4 weights random DIR       # (torch-free) random weights for it
+    $W checkpoint DIR CKPT        # DIR's weights as a release checkpoint (safetensors)
+    $W stream CKPT OUT [--fnuz]   # checkpoint_tensors -> write_shards
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def stream(ckpt: Path, out: Path, fnuz: bool) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.weights_memory",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="step", required=True)
     sub.add_parser("shards").add_argument("out", type=Path)
     c = sub.add_parser("config")

@@ -39,6 +39,7 @@ Weights (fields of config.json; `contract/weights.py` reads and writes the files
   per device, "layout": what is split how (export/sharding.py)}. The vmfb then drives N HAL devices
   of its target's driver, opened in order in one context (runtime/module.py); the state lives on
   device 0, the weights are split per device under ``...shards.<d>...`` keys (in the same files).
+* ``sha256``: {weight file name: hex digest}, optional; contract/weights.py makes and checks them.
 * an export made without weights has config.json and the vmfbs only; `ExportConfig.load` then
   raises one ArtifactError naming the missing file and the command that writes weights
   (`load(..., weights=False)` reads it anyway, for that command).
@@ -57,9 +58,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
 import uuid
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,11 +146,13 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  eos_token_ids: Sequence[int], export_id: str,
                  extra_functions: Mapping[str, Any] | None = None,
                  weights: Mapping[str, Any] | None = None,
-                 devices: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 devices: Mapping[str, Any] | None = None,
+                 sha256: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
     "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
-    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field)."""
+    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field),
+    `sha256` each weight file's digest."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -175,6 +181,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "eos_token_ids": list(eos_token_ids),
         "export_id": export_id,
         **({"devices": dict(devices)} if devices is not None else {}),
+        **({"sha256": dict(sorted(sha256.items()))} if sha256 else {}),
     }
 
 
@@ -213,19 +220,30 @@ def check_out_dir(out_dir: str | Path, *, force: bool = False) -> None:
                          f"format {FORMAT!r}); choose another -o, or pass --force to replace its contents")
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def staged_export(out_dir: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Yield an empty directory beside `out_dir` to build an export in; when the block succeeds,
     it replaces `out_dir` (files made readable as the umask allows, e.g. 0644); when it raises,
-    it is deleted and `out_dir` stays as it was. Checks `out_dir` first (`check_out_dir`)."""
+    it is deleted and `out_dir` stays as it was (SIGTERM too). Checks `out_dir` first (`check_out_dir`)."""
     check_out_dir(out_dir, force=force)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     stage = out.parent / f".{out.name}.building-{tag}"
     stage.mkdir()
+    # SIGTERM (kill, a scheduler's timeout) then cleans up like Ctrl-C, where it has its default action
+    term = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    prev = signal.signal(signal.SIGTERM, _raise_interrupt) if term else None
     try:
-        yield stage
+        try:
+            yield stage
+        finally:
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)
         mask = _umask()
         stage.chmod(0o777 & ~mask)
         for f in stage.iterdir():
@@ -427,6 +445,7 @@ class ExportConfig:
     # config.json "devices.stages" of a pipeline export ("split": "pipeline"): [first, last) layers of
     # each stage, stage k a module of its own on device k; () for a one-module export
     pipeline: tuple[tuple[int, int], ...] = ()
+    sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)  # weight file name -> hex digest
 
     @classmethod
     def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
@@ -559,6 +578,9 @@ class ExportConfig:
                   "state: a pipeline export names each state tensor stage<k>.<name>, every stage at least one")
         else:
             _need(dev.get("split") in (None, "module"), p, f"devices.split: unknown split {dev.get('split')!r}")
+        sums = raw.get("sha256", {})
+        _need(isinstance(sums, dict) and all(re.fullmatch(r"[0-9a-f]{64}", str(v)) for v in sums.values()), p,
+              "sha256: must be an object of file name -> 64 hex digits")
         return cls(
             directory=d, raw=raw, model=model, vocab_size=int(vocab), max_seq_len=int(raw["max_seq_len"]),
             n_slots=int(raw["n_slots"]), prefill_batch_sizes=tuple(sorted(set(pbs))),
@@ -568,6 +590,7 @@ class ExportConfig:
             tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
             n_devices=int(dev["count"]), pipeline=tuple((int(a), int(b)) for a, b in stages),
+            sha256=dict(sums),
         )
 
     def parameters_for(self, target: str) -> tuple[Path, ...]:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .artifact import FP8_DTYPES, ExportConfig, TensorSpec, shard_tensors, whole_inventory
+from .artifact import FP8_DTYPES, ExportConfig, TensorSpec, shard_tensors, whole_inventory, write_config
 from .errors import ArtifactError
 from .weights import Tensor, checked, plan_shards, storage_dtype, write_shards
 
@@ -253,6 +253,7 @@ def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force:
         raise ArtifactError(f"{present[0]} exists: {d} has weights already (pass --force to replace them)")
     log = progress or (lambda s: None)
     written = []
+    digests: dict[str, str] = {}
     for g in groups:
         n = len(plan_shards([s.nbytes for s in g.specs], cfg.shard_bytes))
         if n != len(g.files):
@@ -262,29 +263,35 @@ def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force:
         log(f"random weights (seed {seed}) for {', '.join(g.targets)}: {len(g.specs)} tensors, {total / 1e9:.2f} GB "
             f"-> {len(g.files)} file(s){' (' + g.fp8_dtype + ')' if g.fp8_dtype else ''}")
         if jobs > 1 and cfg.weight_devices == 1:
-            _write_parallel(d, g.specs, [f.name for f in g.files], cfg.model, seed, cfg.shard_bytes, jobs, log)
+            digests.update(_write_parallel(d, g.specs, [f.name for f in g.files], cfg.model, seed, cfg.shard_bytes,
+                                           jobs, log))
             written += g.files
             continue
         # a multi-device export gets the whole tensors cut per device: the same weights as one device's
         whole = whole_inventory(g.specs, cfg.weight_devices)
         source = shard_tensors(random_tensors(whole, cfg.model, seed), cfg.weight_devices)
         write_shards(d, checked(source, g.specs), shard_bytes=cfg.shard_bytes,
-                     names=[f.name for f in g.files], progress=log, total_bytes=total)
+                     names=[f.name for f in g.files], progress=log, total_bytes=total, inventory=g.specs,
+                     digests=digests)
         written += g.files
+    # the digests made while writing go into config.json, for `dsv4 check` after a copy
+    write_config(d, {**cfg.raw, "sha256": dict(sorted({**cfg.sha256, **digests}.items()))})
     return written
 
 
 def _write_one_file(d: Path, specs: Sequence[TensorSpec], name: str, model: Mapping[str, Any], seed: int,
-                    shard_bytes: int) -> str:
+                    shard_bytes: int) -> tuple[str, str]:
     # a prefix of its own per file: write_shards names its temporary file after the prefix
+    digests: dict[str, str] = {}
     write_shards(d, checked(random_tensors(specs, model, seed), specs), prefix=f".{name}", shard_bytes=shard_bytes,
-                 names=[name])
-    return name
+                 names=[name], inventory=specs, digests=digests)
+    return name, digests[name]
 
 
 def _write_parallel(d: Path, specs: Sequence[TensorSpec], names: Sequence[str], model: Mapping[str, Any], seed: int,
-                    shard_bytes: int, jobs: int, log: Callable[[str], None]) -> None:
-    """The files of `names` (the shards `plan_shards` cuts `specs` into), `jobs` processes at a time."""
+                    shard_bytes: int, jobs: int, log: Callable[[str], None]) -> dict[str, str]:
+    """The files of `names` (the shards `plan_shards` cuts `specs` into), `jobs` processes at a time;
+    returns their sha256 digests."""
     import time
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -295,7 +302,9 @@ def _write_parallel(d: Path, specs: Sequence[TensorSpec], names: Sequence[str], 
         futs = {pool.submit(_write_one_file, d, list(specs[starts[i]:starts[i + 1]]), names[i], model, seed,
                             shard_bytes): sum(s.nbytes for s in specs[starts[i]:starts[i + 1]])
                 for i in range(len(names))}
+        digests = {}
         for f in as_completed(futs):
-            f.result()
+            name, digests[name] = f.result()
             done += futs[f]
-            log(f"  {f.result()} written; {done / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s")
+            log(f"  {name} written; {done / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s")
+    return digests

@@ -7,11 +7,14 @@ way. Each archive holds whole tensors under their vmfb keys, each with turbine's
 (``PYTORCH:{"type": "Tensor", "dtype": ..., "shape": [...]}``), so turbine's own readers read them too.
 
 Writing (`write_shards`) takes one (name, array, dtype) at a time and streams it to disk: the
-archive's data goes first and its entry table and header are written when the shard is closed
-(the format allows segments in any order), so memory holds one tensor, never a shard. A shard is
-closed before a tensor that would take it past `shard_bytes` (`plan_shards` is the same rule, so
-the file count is known from the inventory alone); a tensor larger than that gets a shard of its
-own. Files appear under their final names only when complete.
+archive's data goes first and its entry table and metadata after it, so memory holds one tensor,
+never a shard. A shard is closed before a tensor that would take it past `shard_bytes` (`plan_shards`
+is the same rule, so the file count is known from the inventory alone); a tensor larger than that
+gets a shard of its own. Files appear under their final names only when complete. Given the
+inventory, the header (which sits in the first page but depends on every entry) is computed when a
+shard opens, so the file is written front to back and its sha256 computed on the way (`digests`:
+what config.json records and `dsv4 check` verifies) without reading it back; without the inventory
+the header is written last, and no digest is made.
 
 Reading: `open_weights(paths)` maps every key to a read-only uint8 view of the memory-mapped file
 (zero copy); `Weights.tensor(name)` views it with its shape and storage dtype (bfloat16 as uint16,
@@ -21,6 +24,7 @@ a file's structure before IREE sees it. The archive layout is spelled once, belo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -31,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import DTYPES, TensorSpec, shard_names, whole_key
+from .artifact import DTYPES, ExportConfig, TensorSpec, check_vmfb, shard_names, whole_key
 from .errors import ArtifactError
 
 __all__ = ["SHARD_BYTES", "check_irpa", "plan_shards", "planned_names", "write_shards", "Weights", "WholeWeights",
-           "open_weights", "check_weights", "checked", "storage_dtype"]
+           "open_weights", "check_weights", "checked", "storage_dtype", "file_sha256", "verify_export"]
 
 SHARD_BYTES = 2 << 30  # default shard size: a few files for Flash's ~150 GB, each mmap-friendly
 Tensor = tuple[str, np.ndarray, str]  # (key, array in the dtype's storage type, dtype name)
@@ -83,28 +87,71 @@ def planned_names(specs: Sequence[TensorSpec], prefix: str = "model", shard_byte
     return shard_names(prefix, len(plan_shards([s.nbytes for s in specs], shard_bytes)))
 
 
-class _ArchiveWriter:
-    """One .irpa written front to back: tensor data as it comes, then entry table, metadata, header."""
+def _meta(dtype: str, shape: Sequence[int]) -> bytes:
+    return f"{_META}{json.dumps({'type': 'Tensor', 'dtype': dtype, 'shape': [int(x) for x in shape]})}".encode()
 
-    def __init__(self, path: Path):
+
+class _ArchiveWriter:
+    """One .irpa: tensor data as it comes, then entry table, metadata and header. With `plan` (the
+    shard's TensorSpecs, in the order they will come) the header is known up front, the file is
+    written front to back and `sha256` is its digest; without, the header is written last."""
+
+    def __init__(self, path: Path, plan: Sequence[TensorSpec] | None = None):
         self.path = path
         self.f = open(path, "wb")
-        self.f.write(bytes(_STORAGE_AT))
         self.used = 0  # bytes of the storage segment
         self.entries: list[tuple[bytes, bytes, int, int]] = []  # name, metadata, offset, length
+        self.plan = list(plan) if plan is not None else None
+        self.hash = hashlib.sha256() if plan is not None else None
+        head = self._header([(s.name.encode(), _meta(s.dtype, s.shape), s.nbytes) for s in self.plan]) \
+            if self.plan is not None else bytes(_HEADER.size)
+        self._write(head + bytes(_STORAGE_AT - len(head)))
+
+    def _write(self, b: bytes | memoryview) -> None:
+        self.f.write(b)
+        if self.hash is not None:
+            self.hash.update(b)
+
+    @staticmethod
+    def _header(entries: Sequence[tuple[bytes, bytes, int]]) -> bytes:
+        """The header of an archive of `entries` (name, metadata, data length) in that order."""
+        used = 0
+        for _, _, n in entries:
+            used = _padded(used) + n
+        table_at = _STORAGE_AT + _padded(used)
+        table_len = len(entries) * _padded16(_DATA_ENTRY.size)
+        meta_len = sum(len(name) + len(md) for name, md, _ in entries)
+        return _HEADER.pack(_MAGIC, 0, 0, _HEADER.size, 0, 0, len(entries), table_at, table_len,
+                            table_at + table_len, meta_len, _STORAGE_AT, used)
+
+    @property
+    def full(self) -> bool:
+        """Every tensor of the plan is in (always False without a plan)."""
+        return self.plan is not None and len(self.entries) == len(self.plan)
 
     def add(self, name: str, data: np.ndarray, dtype: str) -> None:
+        if self.plan is not None:
+            want = self.plan[len(self.entries)] if len(self.entries) < len(self.plan) else None
+            if want is None or want.name != name:
+                raise ValueError(f"{name} came out of the inventory's order (expected "
+                                 f"{want.name if want else 'no more tensors'} in {self.path.name})")
+        meta = _meta(dtype, data.shape)
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if self.plan is not None and (meta, flat.nbytes) != (_meta(want.dtype, want.shape), want.nbytes):
+            raise ValueError(f"{name}: got {dtype} {list(data.shape)}, the inventory says {want.dtype} "
+                             f"{list(want.shape)}")
         pad = _padded(self.used) - self.used
         if pad:
-            self.f.write(bytes(pad))
+            self._write(bytes(pad))
             self.used += pad
-        meta = f"{_META}{json.dumps({'type': 'Tensor', 'dtype': dtype, 'shape': list(data.shape)})}"
-        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        self.f.write(flat.data)
-        self.entries.append((name.encode(), meta.encode(), self.used, flat.nbytes))
+        self._write(flat.data)
+        self.entries.append((name.encode(), meta, self.used, flat.nbytes))
         self.used += flat.nbytes
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        """Finish the file; returns its sha256 (hex) when it was written with a plan."""
+        if self.plan is not None and not self.full:
+            raise ValueError(f"{self.path.name}: {len(self.plan) - len(self.entries)} tensor(s) of its plan never came")
         table, meta = bytearray(), bytearray()
         for name, md, off, length in self.entries:
             entry = _DATA_ENTRY.pack(_DATA_ENTRY.size, _TYPE_DATA, 0, len(meta), len(name), len(meta) + len(name),
@@ -112,51 +159,72 @@ class _ArchiveWriter:
             table += entry + bytes(-len(entry) % 16)
             meta += name + md
         table_at = _STORAGE_AT + _padded(self.used)
-        self.f.write(bytes(table_at - _STORAGE_AT - self.used))
-        self.f.write(table)
-        self.f.write(meta)
+        self._write(bytes(table_at - _STORAGE_AT - self.used))
+        self._write(bytes(table))
+        self._write(bytes(meta))
         end = table_at + len(table) + len(meta)
-        self.f.write(bytes(-end % 4096))  # whole pages, as IREE's own writer leaves them
-        self.f.seek(0)
-        self.f.write(_HEADER.pack(_MAGIC, 0, 0, _HEADER.size, 0, 0, len(self.entries), table_at, len(table),
-                                  table_at + len(table), len(meta), _STORAGE_AT, self.used))
+        self._write(bytes(-end % 4096))  # whole pages, as IREE's own writer leaves them
+        if self.plan is None:
+            self.f.seek(0)
+            self.f.write(self._header([(n, md, ln) for n, md, _, ln in self.entries]))
         self.f.close()
+        return None if self.hash is None else self.hash.hexdigest()
 
     def abort(self) -> None:
         self.f.close()
         self.path.unlink(missing_ok=True)
 
 
+def _padded16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
 def write_shards(out_dir: str | os.PathLike, tensors: Iterable[Tensor], prefix: str = "model",
                  shard_bytes: int = SHARD_BYTES, *, names: Sequence[str] | None = None,
-                 progress: Callable[[str], None] | None = None, total_bytes: int | None = None) -> list[str]:
+                 progress: Callable[[str], None] | None = None, total_bytes: int | None = None,
+                 inventory: Sequence[TensorSpec] | None = None, digests: dict[str, str] | None = None) -> list[str]:
     """Write `tensors` ((key, array, dtype name) one at a time) into .irpa shards in `out_dir`;
     returns the file names, ``prefix-0000i-of-0000n.irpa`` unless `names` gives them (their count
     must then be the number of shards written). Existing files of those names are replaced.
-    `progress` gets a line per shard and every ~10 s (GB written, of `total_bytes` when given)."""
+    `progress` gets a line per shard and every ~10 s (GB written, of `total_bytes` when given).
+    With `inventory` (the TensorSpecs in the order the tensors come; ValueError otherwise) each
+    file's sha256 is computed as it is written and put in `digests` (file name -> hex)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts: list[Path] = []
+    sums: list[str | None] = []
     w: _ArchiveWriter | None = None
     t0 = last = time.perf_counter()
     done = 0
     log = progress or (lambda s: None)
+    plans: list[list[TensorSpec]] = []
+    if inventory is not None:
+        at = 0
+        for n in plan_shards([s.nbytes for s in inventory], shard_bytes):
+            plans.append(list(inventory[at:at + n]))
+            at += n
 
     def status() -> str:
         of = f" of {total_bytes / 1e9:.2f}" if total_bytes else ""
         return f"{done / 1e9:.2f}{of} GB written, {time.perf_counter() - t0:.0f} s"
+
+    def open_next() -> _ArchiveWriter:
+        if inventory is not None and len(parts) >= max(len(plans), 1):
+            raise ValueError(f"more tensors than the inventory's {len(inventory)}")
+        parts.append(out / f".{prefix}-{len(parts) + 1:05d}.irpa.partial")
+        return _ArchiveWriter(parts[-1], plans[len(parts) - 1] if plans else [] if inventory is not None else None)
 
     try:
         for name, arr, dtype in tensors:
             if not isinstance(arr, np.ndarray) or arr.dtype.itemsize != storage_dtype(dtype).itemsize:
                 raise ValueError(f"{name}: expected a numpy array stored as {storage_dtype(dtype)} for {dtype}, "
                                  f"got {getattr(arr, 'dtype', type(arr).__name__)}")
-            if w is None or (w.entries and _padded(w.used) + arr.nbytes > shard_bytes):
+            if w is None or (w.full if inventory is not None else
+                             (w.entries and _padded(w.used) + arr.nbytes > shard_bytes)):
                 if w is not None:
-                    w.close()
+                    sums.append(w.close())
                     log(f"  shard {len(parts)} closed ({w.used / 1e9:.2f} GB); {status()}")
-                parts.append(out / f".{prefix}-{len(parts) + 1:05d}.irpa.partial")
-                w = _ArchiveWriter(parts[-1])
+                w = open_next()
             w.add(name, arr, dtype)
             done += arr.nbytes
             del arr  # so the next tensor is made while this one is already freed
@@ -164,9 +232,8 @@ def write_shards(out_dir: str | os.PathLike, tensors: Iterable[Tensor], prefix: 
                 last = time.perf_counter()
                 log(f"  {status()}")
         if w is None:  # no tensors at all: one empty archive, so the export still names a file
-            parts.append(out / f".{prefix}-00001.irpa.partial")
-            w = _ArchiveWriter(parts[-1])
-        w.close()
+            w = open_next()
+        sums.append(w.close())
         w = None
     except BaseException:
         if w is not None:
@@ -180,8 +247,10 @@ def write_shards(out_dir: str | os.PathLike, tensors: Iterable[Tensor], prefix: 
             p.unlink(missing_ok=True)
         raise ValueError(f"the weights took {len(parts)} shard(s) of at most {shard_bytes} bytes, but "
                          f"{len(final)} file name(s) were given ({', '.join(final)})")
-    for p, f in zip(parts, final):
+    for p, f, h in zip(parts, final, sums):
         p.replace(out / f)
+        if digests is not None and h is not None:
+            digests[f] = h
     log(f"wrote {len(final)} file(s) to {out}: {status()}")
     return final
 
@@ -375,3 +444,72 @@ def checked(tensors: Iterable[Tensor], specs: Sequence[TensorSpec]) -> Iterator[
     missing = [s.name for s in specs if s.name not in seen]
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) of the inventory never came, e.g. {', '.join(missing[:3])}")
+
+
+def file_sha256(path: str | os.PathLike, progress: Callable[[int], None] | None = None,
+                chunk: int = 16 << 20) -> str:
+    """The sha256 (hex) of a file, read in `chunk`-byte pieces; `progress(bytes so far)` after each."""
+    h, done = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            done += len(block)
+            if progress is not None:
+                progress(done)
+    return h.hexdigest()
+
+
+def verify_export(export_dir: str | os.PathLike, progress: Callable[[str], None] | None = None) -> list[str]:
+    """Check every file of an export: config.json, each weight file's structure and the sha256 that
+    config.json records for it, each vmfb's structure, the tokenizer. Returns one line per problem
+    (none: all good); a weight file without a recorded sha256 is a problem (its bytes are unverified).
+    `progress` gets a line per file and every ~10 s while a large file is hashed."""
+    d = Path(export_dir)
+    log = progress or (lambda s: None)
+    try:
+        cfg = ExportConfig.load(d, weights=False)
+    except ArtifactError as e:
+        return [str(e)]
+    problems: list[str] = []
+    weights = list(dict.fromkeys(f for g in cfg.weight_groups() for f in g.files))
+    total = sum(f.stat().st_size for f in weights if f.is_file())
+    done, t0 = 0, time.perf_counter()
+    for i, f in enumerate(weights, 1):
+        if not f.is_file():
+            problems.append(f"{f}: missing (`dsv4 weights random {d}` writes random weights for an export made "
+                            "with --no-weights)")
+            continue
+        size = f.stat().st_size
+        log(f"[{i}/{len(weights)}] {f.name} ({size / 1e9:.2f} GB) ...")
+        try:
+            check_irpa(f)
+        except ArtifactError as e:
+            problems.append(str(e))
+            done += size
+            continue
+        last = [time.perf_counter()]
+
+        def tick(n: int) -> None:
+            if time.perf_counter() - last[0] > 10:
+                last[0] = time.perf_counter()
+                log(f"  {(done + n) / 1e9:.2f} of {total / 1e9:.2f} GB hashed, {time.perf_counter() - t0:.0f} s")
+
+        want = cfg.sha256.get(f.name)
+        if want is None:
+            problems.append(f"{f}: no sha256 recorded in config.json (an export made before checksums, or weights "
+                            "written by other means): its structure is fine, its bytes cannot be verified")
+        elif file_sha256(f, tick) != want:
+            problems.append(f"{f}: sha256 differs from the one config.json records: the file is corrupt "
+                            "(re-copy or re-export it)")
+        done += size
+    for t, info in cfg.targets.items():
+        for v in info.get("stages", [info["vmfb"]]):
+            log(f"{v} ({t}) ...")
+            try:
+                check_vmfb(d / v)  # names a missing file too ("cannot read")
+            except ArtifactError as e:
+                problems.append(str(e))
+    if cfg.tokenizer is not None and not cfg.tokenizer.is_file():
+        problems.append(f"{cfg.tokenizer}: missing")
+    return problems
+

@@ -2,5 +2,5 @@
 
 Importing this package has no side effects (and needs no torch): the turbine compatibility
 patches (`compat.apply()`) are applied by the code that uses turbine (`exporter.export_model`,
-`kernel_op`'s custom ops), so `dsv4.export.cli` can be imported by the torch-free `dsv4` command.
+`kernel_op`'s custom ops), so `dsv4.export.command` imports without torch (the torch-free `dsv4 export --help`).
 """

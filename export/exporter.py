@@ -579,6 +579,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
     target_info: dict[str, dict[str, Any]] = {}
     first_files: list[str] = []
     first_specs: list[Any] = []
+    digests: dict[str, str] = {}  # weight file -> sha256, recorded in config.json
     for gi, (flavour, gtargets) in enumerate(groups.items()):
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
@@ -600,7 +601,7 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
                                 log, timings, tag + name, probe_topk, kernels, sample_bs)
                 mlirs.append((mlir_path, name))
         files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, per_module, weights, out,
-                               log, timings, tag)
+                               log, timings, tag, digests)
         if gi == 0:
             first_files, first_specs = files, specs
         for t in gtargets:
@@ -651,7 +652,8 @@ def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype
         parameters=first_files, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
         eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra,
         weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES},
-        devices=pipeline_layout(cfg, devices) if pipeline else layout(cfg, devices) if devices > 1 else None)
+        devices=pipeline_layout(cfg, devices) if pipeline else layout(cfg, devices) if devices > 1 else None,
+        sha256=digests)
     write_config(stage, config)
     return {**config, "_timings": timings}
 
@@ -671,10 +673,11 @@ WeightSource = Callable[[list[Any], str], Iterable[tuple[str, "np.ndarray", str]
 
 def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, whole: list[Any], specs: list[Any],
                    devices: int, weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
-                   timings: dict[str, float], tag: str) -> list[str]:
+                   timings: dict[str, float], tag: str, digests: dict[str, str]) -> list[str]:
     """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
     the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. The
-    model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors)."""
+    model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors).
+    Each file's sha256 goes into `digests`."""
     from dsv4.contract.weights import SHARD_BYTES, checked, planned_names, write_shards
 
     if weights is None:
@@ -686,7 +689,8 @@ def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, who
     source = shard_tensors(_model_tensors(model, flavour) if weights == "model" else weights(whole, fp8), devices)
     total = sum(s.nbytes for s in specs)
     try:
-        files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total)
+        files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total,
+                             inventory=specs, digests=digests)
     except ValueError as e:
         raise ExportError("weights", str(e)) from None
     timings[f"weights{tag}"] = time.perf_counter() - t0

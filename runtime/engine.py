@@ -260,6 +260,16 @@ class Engine:
             raise RequestError(f"prompt has {len(ids)} tokens, longer than max_seq_len "
                                f"{self.config.max_seq_len} of this export")
 
+    def check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+        """RequestError unless a prompt of `n_prompt` tokens plus `max_new_tokens` fits the context:
+        the one rule for oversized requests (`dsv4 generate` and the server's 400
+        context_length_exceeded). `submit` itself stops such a request at the context instead."""
+        n, ctx = int(max_new_tokens), self.config.max_seq_len
+        if n < 1 or n_prompt + n > ctx:
+            raise RequestError(f"this model's context is {ctx} tokens, but {n_prompt + n} were requested "
+                               f"({n_prompt} in the prompt, {n} to generate); shorten the prompt or ask for "
+                               "fewer new tokens")
+
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                add_bos: bool = True, **kw: Any) -> int:
         """Queue a request (text or token ids); returns its id. Sampling fields may be given as kwargs."""

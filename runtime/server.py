@@ -357,10 +357,10 @@ def build_app(aeng: AsyncEngine, model_name: str, *, api_key: str | None = None)
             code = "context_length_exceeded" if "longer than max_seq_len" in str(e) else "invalid_prompt"
             raise _bad(str(e), "prompt", code) from None
         n = max_tokens if max_tokens is not None else default_max(len(ids))
-        if n < 1 or len(ids) + n > max_len:
-            raise _bad(f"this model's context is {max_len} tokens, but {len(ids) + n} were requested "
-                       f"({len(ids)} in the prompt, {n} to generate); shorten the prompt or lower max_tokens",
-                       "max_tokens" if max_tokens is not None else "prompt", "context_length_exceeded")
+        try:
+            eng.check_length(len(ids), n)  # the rule `dsv4 generate` applies too
+        except RequestError as e:
+            raise _bad(str(e), "max_tokens" if max_tokens is not None else "prompt", "context_length_exceeded") from None
         params = replace(params, max_new_tokens=n)
         try:
             return aeng.submit(ids, params), params

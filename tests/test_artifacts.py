@@ -239,7 +239,7 @@ def _break(d: Path, name: str, how: str) -> None:
                                       ("config.json", "empty"), ("tokenizer.json", "truncate")])
 def test_corrupt_artifact_gives_one_line_naming_the_file(toy: Path, tmp_path: Path, capsys, name: str,
                                                          how: str) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     d = tmp_path / "export"
     shutil.copytree(toy, d)
@@ -254,7 +254,7 @@ def test_vmfb_check_accepts_the_compiled_module(toy: Path) -> None:
 
 
 def test_score_without_score_function_says_how_to_get_it(toy: Path, tmp_path: Path, capsys) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     d = tmp_path / "export"
     shutil.copytree(toy, d)
@@ -302,7 +302,7 @@ def test_stop_matcher_find_new_searches_only_the_tail() -> None:
 
 
 def test_seed_is_printed_only_when_it_matters(toy: Path, capsys) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["generate", str(toy), "--prompt", "hello", "--max-new-tokens", "3", "--ignore-eos"]) == 0
     summary = capsys.readouterr().err.strip().splitlines()[-1]
@@ -313,7 +313,7 @@ def test_seed_is_printed_only_when_it_matters(toy: Path, capsys) -> None:
 
 
 def test_ctrl_c_while_generating_exits_130_and_frees_the_slot(toy: Path, capsys, monkeypatch) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
     from dsv4.runtime.engine import Engine
 
     real_step, calls, engines = Engine.step, [], []

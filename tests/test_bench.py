@@ -32,7 +32,7 @@ def bench_export() -> Path:
 
 
 def _bench(capsys, *argv: str) -> tuple[int, str, str]:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     rc = main(["bench", *argv])
     out = capsys.readouterr()
@@ -111,8 +111,8 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     and the eager model pick the same next token after the same prompt."""
     import torch
 
-    from dsv4.model.bench_torch import TorchBackend, load_export_model
-    from dsv4.runtime.bench import IreeBackend
+    from dsv4.bench.torch_backends import TorchBackend, load_export_model
+    from dsv4.bench.speed import IreeBackend
 
     model, _, dtype = load_export_model(bench_export)
     from test_runtime import _tiny_model
@@ -132,7 +132,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
 def test_ncu_kernel_table_per_step_arithmetic() -> None:
     """The cuda profile's fallback reads ncu's CSV: units converted, the initializer's kernels (fewer
     launches than calls) left out, per-step time and share by hand."""
-    from dsv4.runtime.bench import kernel_table
+    from dsv4.bench.speed import kernel_table
 
     head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
     rows = [("__init_dispatch_0", "usecond", "500")] + [("_initializer_3_dispatch_0_decode", "usecond", "9")] * 3
@@ -151,7 +151,7 @@ def test_ncu_kernel_table_per_step_arithmetic() -> None:
 
 
 def test_step_bytes_matches_a_hand_count() -> None:
-    from dsv4.runtime.bench import step_bytes
+    from dsv4.bench.speed import step_bytes
     from dsv4.contract.artifact import StateSpec
 
     model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
@@ -219,7 +219,7 @@ def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> Non
         pytest.skip(f"deepseek_v4 needs transformers >= 5.8, found {transformers.__version__}")
     import torch
 
-    from dsv4.model.bench_torch import TransformersBackend, load_export_model
+    from dsv4.bench.torch_backends import TransformersBackend, load_export_model
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
     from dsv4.model.state import new_state
@@ -248,3 +248,34 @@ def test_transformers_backend_runs_the_export_weights(bench_export: Path) -> Non
     np.testing.assert_array_equal(second, got[:, T].argmax(-1).numpy())
     with pytest.raises(ValueError, match="not prefilled together"):
         be.decode(seq[:1, T:].numpy(), np.full(1, T), np.arange(1))
+
+
+def test_every_benchmark_prints_its_help() -> None:
+    """Each module of bench/ is a command a user reruns: `python -m dsv4.bench.NAME --help` exits 0
+    with its usage, without a GPU (torch_backends is the library behind `dsv4 bench --compare`)."""
+    import os
+    import subprocess
+    import sys
+
+    names = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem not in ("__init__", "torch_backends"))
+    assert {"speed", "serve_load", "compiled_vs_eager"} <= set(names)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    procs = {n: subprocess.Popen([sys.executable, "-m", f"dsv4.bench.{n}", "--help"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env) for n in names}
+    for n, p in procs.items():
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0 and out.startswith("usage: "), (n, out[-2000:])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["http://127.0.0.1:9", "--concurrency", "1,x"], "--concurrency expects comma-separated integers"),
+    (["http://127.0.0.1:9", "--requests", "0"], "must be positive"),
+    (["http://127.0.0.1:9", "--id-limit", "3"], "--id-limit at least 4"),
+    (["http://127.0.0.1:9", "--requests", "1", "--timeout", "5"], "cannot reach http://127.0.0.1:9"),
+])
+def test_serve_load_bad_arguments_and_no_server(capsys, argv: list[str], match: str) -> None:
+    from dsv4.bench.serve_load import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4 bench serve: error: ") and match in err, err

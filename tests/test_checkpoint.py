@@ -45,7 +45,6 @@ import dsv4.model.layers as layers_mod
 from dsv4.model.checkpoint import (
     CheckpointError,
     canonical_name,
-    checkpoint_make_main,
     load_checkpoint,
     open_checkpoint,
     transformers_config_dict,
@@ -58,6 +57,7 @@ from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state
 from dsv4.contract.tokenizer import load_tokenizer
 from dsv4.train.tokenizer import corpus_tokenizer
+from dsv4.cli.checkpoint import checkpoint_make_main
 
 S = 40  # crosses the window (8) five times, ratio-4 entries ten times, ratio-16 entries twice
 EVAL = dict(quant_sim=False, index_topk=64)  # no QAT sims, every visible CSA entry selected

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.runtime.cli import main
+from dsv4.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_eager_preset_with_prompt_text_is_an_error(capsys) -> None:
 def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
     """SIGINT in the middle of an export: rc 130, one line, and OUT / the staging dir are not left."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "dsv4.runtime.cli", "export", "--preset", "tiny", "--dtype", "fp32",
+    p = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "export", "--preset", "tiny", "--dtype", "fp32",
                           "--target", "llvm-cpu", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=REPO,
                          # a shell's background job (`cmd &`) runs with SIGINT ignored, and an ignored
@@ -90,15 +90,15 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
 
 
 def test_help_texts() -> None:
-    r = subprocess.run([sys.executable, "-m", "dsv4.runtime.cli", "export", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "export", "--help"], capture_output=True,
                        text=True, cwd=REPO)
     assert r.returncode == 0
-    assert "add_parser" not in r.stdout and "runtime/cli.py" not in r.stdout  # no developer notes
+    assert "add_parser" not in r.stdout and "cli/" not in r.stdout  # no developer notes
     assert "--force" in r.stdout and "sm_89" in r.stdout and "default: 1,4" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "dsv4.runtime.cli", "checkpoint", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "checkpoint", "--help"], capture_output=True,
                        text=True, cwd=REPO)
     assert "checkpoint make --help" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "dsv4.runtime.cli", "generate", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "generate", "--help"], capture_output=True,
                        text=True, cwd=REPO)
     for flag in ("--temperature", "--top-k", "--top-p", "--seed", "--device"):
         assert flag in r.stdout
@@ -115,7 +115,7 @@ def test_parameter_count_is_the_trained_count() -> None:
     """The export log's count of the embedded model equals the trainer's (train_log.json), though
     the checkpoint stores fewer elements (MXFP4 packs two weights per byte)."""
     torch = pytest.importorskip("torch")
-    from dsv4.export.cli import _count, parameter_counts
+    from dsv4.export.command import _count, parameter_counts
     from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
 
     trained = json.loads((EMBEDDED_CHECKPOINT / "train_log.json").read_text())["parameters"]
@@ -143,7 +143,7 @@ def test_export_silences_known_third_party_warnings_only() -> None:
     copyreg, turbine's strict_export notice) are filtered; a warning from our code is not."""
     import warnings
 
-    from dsv4.export.cli import _QUIET
+    from dsv4.export.command import _QUIET
 
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("default")

@@ -264,7 +264,7 @@ def test_gfx942_flavour_runs_on_llvm_cpu_like_the_fn_one(fnuz_on_cpu, engine, wi
 def test_export_cli_defaults_to_the_embedded_model(monkeypatch, tmp_path):
     """`dsv4 export` with neither --checkpoint nor --preset loads the embedded checkpoint."""
     import dsv4.export.exporter as exporter
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     seen = {}
 

@@ -364,7 +364,7 @@ def test_export_package_import_has_no_side_effects() -> None:
     the compat shim is applied where turbine is used."""
     code = (
         "import sys\n"
-        "import dsv4.export, dsv4.export.cli, dsv4.runtime.module\n"
+        "import dsv4.export, dsv4.export.command, dsv4.runtime.module\n"
         "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('iree.turbine')]\n"
         "assert not bad, bad\n"
         "from iree.compiler import ir\n"

@@ -298,7 +298,7 @@ def test_default_slots_cover_decode_batch_sizes():
 
 def _quantized_tiny(quant_sim: bool = False, dtype: torch.dtype = torch.float32) -> Transformer:
     """Tiny with FP8 linears (E8M0 scales) and MXFP4 experts, random bytes (no NaN codes).
-    Also the model of bench/quantized_tiny_parity.py."""
+    Also the model of `git show a7b70ea:bench/quantized_tiny_parity.py`."""
     cfg = ModelConfig.preset("tiny").replace(quant_sim=quant_sim, expert_dtype="fp4")
     m = init_random(Transformer(cfg, dtype=dtype), seed=1)  # float weights first
     q = Transformer(cfg, dtype=dtype, quantized=True)
@@ -347,7 +347,7 @@ def test_fnuz_conversion_for_gfx942_keeps_the_model_exact():
 
 
 def test_cli_reports_stage_and_reason(tmp_path, capsys):
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--target", "gfx9000", "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err

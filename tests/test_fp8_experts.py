@@ -100,7 +100,7 @@ def test_export_with_fp8_experts_computes_what_the_mxfp4_export_does(ckpt: Path,
     """The re-encoded export against the export of the checkpoint as stored (itself held to eager by
     tests/test_embedded.py and tests/test_export_model.py): the same logits up to fp32 summation order
     (llvm-cpu gave them bit for bit: both expert kernels decode the weight exactly and sum in f32)."""
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     base = ["export", "--checkpoint", str(ckpt), "--target", "llvm-cpu", "--dtype", "fp32", "--batch-sizes", "1",
             "--no-score"]

@@ -21,7 +21,8 @@ class Entry(torch.nn.Module):
 
 def _strided_state_gathers(ep: torch.export.ExportedProgram) -> list[str]:
     """Gathers (aten.index) whose source is a select or slice of a state input: IREE 3.13's GPU
-    codegen compiles such a gather with the view's strides (model._get; bench/slot_gather.py)."""
+    codegen compiles such a gather with the view's strides (model._get; the reproduction:
+    `git show a7b70ea:bench/slot_gather.py`)."""
     states = {n for n in ep.graph.nodes if n.op == "placeholder" and "state" in n.name}
     bad = []
     for n in ep.graph.nodes:

@@ -175,8 +175,21 @@ def test_shard_tensors_cuts_whole_tensors_into_the_device_keys() -> None:
     assert shard_key("model.layers.1.attn.indexer.wq_b.weight", 2) is None  # the indexer stays whole
 
 
+# y = (x on device 1) * 2, returned on device 0: two named devices and a transfer each way
+TWO_DEVICES_MLIR = """
+module {
+  func.func @main(%x: tensor<4xf32>) -> tensor<4xf32> {
+    %a = flow.tensor.transfer %x : tensor<4xf32> to #hal.device.promise<@__device_1>
+    %b = arith.addf %a, %a : tensor<4xf32>
+    %c = flow.tensor.transfer %b : tensor<4xf32> to #hal.device.promise<@__device_0>
+    return %c : tensor<4xf32>
+  }
+}
+"""
+
+
 def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Path) -> None:
-    """bench/two_devices.mlir, the minimal module of docs/scale.md (hangs across two CUDA GPUs with
+    """TWO_DEVICES_MLIR, the minimal module of docs/scale.md (hangs across two CUDA GPUs with
     IREE 3.13's async allocations, runs without them): compiled for two local devices, run on two
     local-task devices in one context."""
     import iree.runtime as rt
@@ -184,7 +197,8 @@ def test_two_device_transfer_reproduction_runs_on_two_local_devices(tmp_path: Pa
     from dsv4.export.compile import compile_mlir, resolve_target
     from dsv4.runtime.module import IreeModule
 
-    src = Path(__file__).resolve().parents[1] / "bench" / "two_devices.mlir"
+    src = tmp_path / "two_devices.mlir"
+    src.write_text(TWO_DEVICES_MLIR)
     vmfb = compile_mlir(src, resolve_target("llvm-cpu").with_devices(2), tmp_path / "two.vmfb").path
     m = IreeModule(vmfb, devices=2)
     assert len(m.devices) == 2 and m.devices[0] is not m.devices[1]
@@ -424,7 +438,7 @@ def test_pipeline_config_is_validated(tmp_path: Path) -> None:
 
 
 def test_cli_pipeline_needs_two_devices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["export", "--preset", "tiny", "--target", "llvm-cpu", "--pipeline", "-o", str(tmp_path / "x")]) == 2
     assert "--pipeline needs --devices N with N >= 2" in capsys.readouterr().err

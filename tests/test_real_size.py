@@ -93,7 +93,7 @@ def weight_only_export() -> Path:
     alternative; no weights at export, `dsv4 weights random` makes them (the GPU-host flow)."""
     from dsv4.export.exporter import export_model
     from dsv4.model.model import empty_model
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     cfg = ModelConfig.preset("tiny", quant_sim=False)
 
@@ -107,20 +107,16 @@ def weight_only_export() -> Path:
 
 def test_weight_only_export_equals_eager_to_fp32_rounding(weight_only_export: Path, tmp_path: Path) -> None:
     """Issue 11's check in its continuous form: with no rounding to FP8/FP4 left in the model, the
-    compiled module and eager torch (bench/compiled_vs_eager.py, which runs the alternatives the export
+    compiled module and eager torch (dsv4.bench.compiled_vs_eager, which runs the alternatives the export
     chose) agree to fp32 summation order at every step, so greedy decoding is the same."""
-    import importlib.util
+    from dsv4.bench.compiled_vs_eager import main as compiled_vs_eager
 
     raw = json.loads((weight_only_export / "config.json").read_text())
     chosen = raw["targets"]["llvm-cpu"]["kernels"]
     assert {op for op, impl in chosen.items() if impl == "weight_only"} == {
         "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
-    path = Path(__file__).parents[1] / "bench" / "compiled_vs_eager.py"
-    spec = importlib.util.spec_from_file_location("compiled_vs_eager", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "cve.json"
-    rc = bench.main([str(weight_only_export), "--prompt-len", "40", "--steps", "12", "--json", str(out)])
+    rc = compiled_vs_eager([str(weight_only_export), "--prompt-len", "40", "--steps", "12", "--json", str(out)])
     summary = json.loads(out.read_text())["summary"]
     assert rc == 0 and summary["greedy_equal"] and summary["argmax_agree"] == "13/13"
     assert summary["max_rel_err"] < 1e-5, summary

@@ -342,10 +342,10 @@ _BLOCKER = textwrap.dedent("""
 
 def test_runtime_imports_without_torch_or_compiler() -> None:
     code = _BLOCKER + textwrap.dedent("""
-        import dsv4.runtime.engine, dsv4.runtime.sampling, dsv4.runtime.commands, dsv4.runtime.cli
+        import dsv4.runtime.engine, dsv4.runtime.sampling, dsv4.cli.generate, dsv4.cli
         from dsv4.runtime import Engine, SamplingParams
         import iree.runtime
-        from dsv4.runtime.cli import main
+        from dsv4.cli import main
         try:
             main(['generate', '/nonexistent', '--prompt-ids', '1,2'])
         except SystemExit:
@@ -364,7 +364,7 @@ def test_runtime_imports_without_torch_or_compiler() -> None:
 def test_torch_commands_on_a_runtime_only_install_say_what_is_missing(cmd) -> None:
     """The base install is the runtime; `dsv4 export` / `dsv4 eager` there name the missing extra."""
     code = _BLOCKER + textwrap.dedent(f"""
-        from dsv4.runtime.cli import main
+        from dsv4.cli import main
         sys.exit(main({cmd!r}))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -373,7 +373,7 @@ def test_torch_commands_on_a_runtime_only_install_say_what_is_missing(cmd) -> No
 
 
 def test_cli_bad_request_exits_2(tmp_path: Path) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["generate", str(tmp_path / "missing"), "--prompt-ids", "1"]) == 2
     assert main(["generate", str(tmp_path / "missing"), "--prompt-ids", "1", "--top-p", "3"]) == 2
@@ -771,7 +771,7 @@ def test_toy_mismatched_artifacts(toy_export: Path, tmp_path: Path) -> None:
 
 
 def test_toy_cli(toy_export: Path, capsys) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     assert main(["generate", str(toy_export), "--prompt", "hello", "--max-new-tokens", "6", "--json",
                  "--ignore-eos"]) == 0
@@ -1043,7 +1043,7 @@ def test_tiny_errors(tiny_engine, tiny_export: Path, tmp_path: Path) -> None:
 
 def test_tiny_generate_without_torch(tiny_export: Path, tiny_reference) -> None:
     code = _BLOCKER + textwrap.dedent(f"""
-        from dsv4.runtime.cli import main
+        from dsv4.cli import main
         main(['generate', {str(tiny_export)!r}, '--prompt-ids', {','.join(map(str, TINY_PROMPTS[0]))!r},
               '--max-new-tokens', '16', '--ignore-eos', '--json'])
         bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('iree.compiler', 'iree.turbine'))]

@@ -259,7 +259,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsv4.runtime.cli", "serve", str(export), "--port", str(self.port),
+            [sys.executable, "-m", "dsv4.cli", "serve", str(export), "--port", str(self.port),
              "--api-key", KEY, "--served-model-name", MODEL, "--max-queue", str(MAX_QUEUE), *extra],
             stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 120
@@ -543,7 +543,7 @@ def test_sigterm_drains_and_exits_cleanly(serve_export, tmp_path) -> None:
 def test_bench_percentiles_match_numpy() -> None:
     import numpy as np
 
-    from dsv4.runtime.bench_serve import summarize
+    from dsv4.bench.serve_load import summarize
 
     xs = [0.003, 0.001, 0.010, 0.002, 0.5, 0.004, 0.007]
     s = summarize(xs)
@@ -553,7 +553,7 @@ def test_bench_percentiles_match_numpy() -> None:
 
 
 def test_bench_serve_against_the_server(server) -> None:
-    from dsv4.runtime.bench_serve import format_table, run_bench
+    from dsv4.bench.serve_load import format_table, run_bench
 
     res = run_bench(server.base, [1, 3], 3, max_tokens=6, prompt_tokens=5, api_key=KEY)
     assert [r.concurrency for r in res] == [1, 3]
@@ -575,14 +575,14 @@ sys.meta_path.insert(0, Block())
 
 def test_serving_imports_no_torch() -> None:
     code = ("BLOCKED = ('torch',)" + _BLOCK + "import dsv4.runtime.server, dsv4.runtime.async_engine, "
-            "dsv4.runtime.bench_serve, dsv4.runtime.serve_cli")
+            "dsv4.bench.serve_load, dsv4.cli.serve, dsv4.cli.bench_serve")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.parametrize("cmd", [["serve", "/nonexistent"], ["bench", "serve", "http://127.0.0.1:9"]])
 def test_serve_commands_without_the_serve_extra_say_what_is_missing(cmd) -> None:
     code = ("BLOCKED = ('starlette', 'uvicorn', 'httpx', 'prometheus_client')" + _BLOCK
-            + f"from dsv4.runtime.cli import main; sys.exit(main({cmd!r}))")
+            + f"from dsv4.cli import main; sys.exit(main({cmd!r}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "needs the 'serve' extra" in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -182,7 +182,7 @@ def test_export_without_weights_gives_one_clear_error(toy, tmp_path: Path, capsy
     """An export made with --no-weights (config.json + vmfb, no .irpa): Engine and `dsv4 generate`
     name the missing file and the command that writes weights; the config still reads with
     weights=False (what `dsv4 weights random` does)."""
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
     from dsv4.runtime.engine import Engine
 
     d = _reshard(toy, tmp_path / "nw", shard_bytes=256)
@@ -373,7 +373,7 @@ def test_random_weights_are_deterministic(random_export: Path, tmp_path: Path) -
 
 
 def test_weights_random_cli_and_errors(tmp_path: Path, capsys) -> None:
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     d = _no_weights_export(tmp_path / "cli", fnuz=False)
     assert main(["weights", "random", str(d), "--seed", "1"]) == 0
@@ -554,7 +554,7 @@ def test_compiled_equals_eager_on_weights_made_by_weights_random(q_export: Path,
     decodes the same greedy tokens."""
     from dsv4.model.checkpoint.irpa import load_export_model, param_inventory
     from dsv4.model.generate import greedy
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
     from dsv4.runtime.engine import Engine
     from dsv4.contract.weights import planned_names
 

@@ -1,7 +1,7 @@
 """Checkpoint I/O: load a DeepSeek-V4 checkpoint directory as released, and write one.
 
 Files: `names.py` (naming schemes and their mapping), `inventory.py` (a directory's tensors from
-its headers, CheckpointError), `load.py`, `write.py`, `cli.py` (`dsv4 checkpoint make`), `irpa.py`
+its headers, CheckpointError), `load.py`, `write.py`, `make.py` (a random checkpoint: `dsv4 checkpoint make`), `irpa.py`
 (an export's .irpa weights into a Transformer: `load_irpa`, `load_export_model`, `param_inventory`); the
 quantizers are `dsv4.model.quant.quantize`, the transformers form of config.json `dsv4.model.transformers_config`.
 
@@ -56,7 +56,7 @@ _LAZY = {
     "load_irpa": ".irpa",
     "load_export_model": ".irpa",
     "param_inventory": ".irpa",
-    "checkpoint_make_main": ".cli",
+    "make_random_checkpoint": ".make",
     "quantize_fp8_block": "..quant.quantize",
     "quantize_mxfp4": "..quant.quantize",
     "transformers_config_dict": "..transformers_config",
