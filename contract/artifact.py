@@ -46,8 +46,9 @@ Weights (fields of config.json; `contract/weights.py` reads and writes the files
 
 The exporter builds the dict with `build_config` and writes it with `write_config`; the engine reads
 it with `ExportConfig.load`. `staged_export` builds a new export beside the output directory and
-moves it into place only when it is complete. `check_irpa` / `check_vmfb` look at a file's structure
-before IREE sees it, so a truncated download is named instead of crashing inside the runtime.
+moves it into place only when it is complete. `check_vmfb` (and weights.check_irpa) look at a file's
+structure before IREE sees it, so a truncated download is named instead of crashing inside the runtime.
+The names of the contract (weight files, per-device keys, pipeline stages' state) are defined here.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import threading
 import uuid
 import zipfile
@@ -73,8 +73,8 @@ from .errors import ArtifactError, EngineError
 __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
     "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
-    "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_irpa", "check_vmfb",
-    "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
+    "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_vmfb",
+    "shard_names", "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
     "stage_state_name", "state_stage",
 ]
 
@@ -264,56 +264,8 @@ def staged_export(out_dir: str | Path, *, force: bool = False) -> Iterator[Path]
 
 
 # --------------------------------------------------------------------------------------------
-# structural checks of the binary files
+# structural check of a vmfb (the .irpa archives: weights.check_irpa)
 # --------------------------------------------------------------------------------------------
-
-_IRPA_MAGIC = 0x41505249  # b"IRPA" little-endian
-_IRPA_HEADER = struct.Struct("<IHHQQQQ" + "QQ" * 3)  # prefix, entry_count, 3 segments (88 bytes)
-_IRPA_ENTRY = struct.Struct("<QIQQQQQQ")  # entry_size, type, flags, name, metadata, alignment (60)
-_IRPA_DATA = 2
-
-
-def check_irpa(path: str | Path) -> int:
-    """Check that `path` is a complete IREE parameter archive (header, entry table, and every data
-    entry inside the file); returns the number of entries. ArtifactError naming the file otherwise."""
-    p = Path(path)
-
-    def bad(msg: str) -> ArtifactError:
-        return ArtifactError(f"{p}: {msg} (re-export or re-download it)")
-
-    try:
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(_IRPA_HEADER.size)
-            if len(head) < _IRPA_HEADER.size:
-                raise bad(f"not an IREE parameter archive ({size} bytes, too short for its header)")
-            (magic, major, _minor, _hsize, _next, _flags, count, e_off, e_len, m_off, m_len,
-             s_off, s_len) = _IRPA_HEADER.unpack(head)
-            if magic != _IRPA_MAGIC:
-                raise bad("not an IREE parameter archive (no IRPA magic)")
-            if major != 0:
-                raise bad(f"parameter archive version {major} is not supported (this runtime reads 0)")
-            for name, off, ln in (("entry", e_off, e_len), ("metadata", m_off, m_len), ("storage", s_off, s_len)):
-                if off + ln > size:
-                    raise bad(f"truncated: the {name} segment ends at byte {off + ln}, the file has {size}")
-            f.seek(e_off)
-            table = f.read(e_len)
-    except OSError as e:
-        raise ArtifactError(f"{p}: cannot read: {e.strerror or e}") from None
-    at = 0
-    for i in range(count):
-        if at + _IRPA_ENTRY.size > len(table):
-            raise bad(f"entry table holds fewer than its {count} entries")
-        esize, etype, _f, n_off, n_len, md_off, md_len, _al = _IRPA_ENTRY.unpack_from(table, at)
-        if n_off + n_len > m_len or md_off + md_len > m_len or esize < _IRPA_ENTRY.size:
-            raise bad(f"entry {i} is malformed")
-        if etype == _IRPA_DATA:
-            st_off, st_len = struct.unpack_from("<QQ", table, at + _IRPA_ENTRY.size)
-            if st_off + st_len > s_len:
-                raise bad(f"truncated: entry {i}'s data ends at byte {s_off + st_off + st_len}, the file has {size}")
-        at += (esize + 15) // 16 * 16
-    return count
-
 
 def check_vmfb(path: str | Path) -> None:
     """Check that `path` is a complete vmfb container (a zip whose members all lie inside the file)."""
@@ -335,8 +287,13 @@ def check_vmfb(path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# multi-device weights: which whole tensors are cut per device, and their keys
+# names: the weight files, the per-device keys of cut tensors, the pipeline stages' state
 # --------------------------------------------------------------------------------------------
+
+def shard_names(prefix: str, n: int) -> list[str]:
+    """The weight files of n shards: ``prefix-00001-of-0000n.irpa`` ... (5 digits, from 1)."""
+    return [f"{prefix}-{i + 1:05d}-of-{n:05d}.irpa" for i in range(n)]
+
 
 # (regex on a whole tensor's key, its shard keys with {d}); every cut is along dim 0 in N equal parts
 SHARD_SPLITS: tuple[tuple[str, str], ...] = (

@@ -8,6 +8,10 @@ unknown token, which a code-and-prose corpus needs, and it is the family DeepSee
 tokenizer belongs to. The special tokens follow DeepSeek-V4's config: ``<｜begin▁of▁sentence｜>``
 is id 0 (bos) and ``<｜end▁of▁sentence｜>`` id 1 (eos). There is no post-processor, so encoding
 never adds tokens behind the caller's back: the runtime/training code adds bos/eos explicitly.
+
+Reading (`read_tokenizer`, `read_tokenizer_config`) and encoding (`literal_ids`, `literal_ids_batch`
+for text, `template_ids` for a rendered chat template) hold for any export's tokenizer (a released checkpoint's too, whose special
+ids differ); `load_tokenizer`, `encode` and `decode` add the embedded format's bos/eos rules.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from .errors import ArtifactError
+
 __all__ = [
     "BOS_TOKEN",
     "EOS_TOKEN",
@@ -25,7 +31,12 @@ __all__ = [
     "EOS_ID",
     "SPECIAL_TOKENS",
     "save_tokenizer",
+    "read_tokenizer",
+    "read_tokenizer_config",
     "load_tokenizer",
+    "literal_ids",
+    "literal_ids_batch",
+    "template_ids",
     "tokenizer_config",
     "encode",
     "decode",
@@ -87,27 +98,70 @@ def save_tokenizer(tok: Tokenizer, directory: str | Path, model_max_length: int 
     return out
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load ``tokenizer.json`` (or a directory containing it) and check the bos/eos ids."""
+def _tokenizer_file(path: str | Path) -> Path:
     p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    tok = Tokenizer.from_file(str(p))
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """Any ``tokenizer.json`` (or a directory containing it); ArtifactError naming the file when it
+    cannot be read."""
+    p = _tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise ArtifactError(f"{p}: cannot load the tokenizer ({e}); re-export it") from None
+
+
+def read_tokenizer_config(path: str | Path) -> dict:
+    """The ``tokenizer_config.json`` beside ``tokenizer.json`` (or in the directory): {} when there is
+    none, ArtifactError when it is not valid JSON."""
+    p = _tokenizer_file(path).with_name("tokenizer_config.json")
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p} is not valid JSON ({e}); re-export it") from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load the embedded format's ``tokenizer.json`` (or a directory containing it) and check the bos/eos ids."""
+    tok = read_tokenizer(path)
     if tok.token_to_id(BOS_TOKEN) != BOS_ID or tok.token_to_id(EOS_TOKEN) != EOS_ID:
-        raise ValueError(f"{p}: expected {BOS_TOKEN}=0 and {EOS_TOKEN}=1")
+        raise ValueError(f"{_tokenizer_file(path)}: expected {BOS_TOKEN}=0 and {EOS_TOKEN}=1")
     return tok
 
 
-def encode(tok: Tokenizer, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-    """Token ids of ``text``, with bos/eos only when asked (nothing is added implicitly).
-
-    The text is taken literally: a ``<｜end▁of▁sentence｜>`` written inside it becomes ordinary
-    byte tokens, so user text can never inject a control token and decode(encode(s)) == s
-    holds for every string. (This sets ``tok.encode_special_tokens``, which is not saved.)
-    """
+def literal_ids(tok: Tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` taken literally, nothing added: a special-token string written inside it
+    (``<｜end▁of▁sentence｜>``) becomes ordinary byte tokens, so user text can never inject a control
+    token and decode(literal_ids(s)) == s for every string. (This sets ``tok.encode_special_tokens``,
+    which is not saved.)"""
     tok.encode_special_tokens = True
-    ids = tok.encode(text, add_special_tokens=False).ids
-    return ([BOS_ID] if bos else []) + ids + ([EOS_ID] if eos else [])
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def literal_ids_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """`literal_ids` of each text (encoded in parallel by tokenizers)."""
+    tok.encode_special_tokens = True
+    return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def template_ids(tok: Tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered template (the chat template's output), whose special-token strings
+    are the special tokens themselves; the tokenizer is left in literal mode, as `literal_ids` needs."""
+    tok.encode_special_tokens = False
+    try:
+        return tok.encode(text, add_special_tokens=False).ids
+    finally:
+        tok.encode_special_tokens = True
+
+
+def encode(tok: Tokenizer, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    """`literal_ids` of ``text``, with the embedded format's bos/eos only when asked (nothing is added
+    implicitly)."""
+    return ([BOS_ID] if bos else []) + literal_ids(tok, text) + ([EOS_ID] if eos else [])
 
 
 def decode(tok: Tokenizer, ids: Sequence[int]) -> str:

@@ -1,8 +1,8 @@
 """An export's weights as sharded IREE parameter archives (.irpa), written and read torch-free
 (numpy + iree.runtime).
 
-Files: ``<prefix>-00001-of-0000N.irpa`` (`shard_names`), listed in config.json's ``parameters``
-(contract/artifact.py documents those fields); an old export's single ``model.irpa`` reads the same
+Files: ``<prefix>-00001-of-0000N.irpa`` (`artifact.shard_names`, with the other names of the contract),
+listed in config.json's ``parameters`` (contract/artifact.py documents those fields); an old export's single ``model.irpa`` reads the same
 way. Each archive holds whole tensors under their vmfb keys, each with turbine's metadata
 (``PYTORCH:{"type": "Tensor", "dtype": ..., "shape": [...]}``), so turbine's own readers read them too.
 
@@ -18,7 +18,8 @@ the header is written last, and no digest is made.
 
 Reading: `open_weights(paths)` maps every key to a read-only uint8 view of the memory-mapped file
 (zero copy); `Weights.tensor(name)` views it with its shape and storage dtype (bfloat16 as uint16,
-FP8 as uint8). `check_weights` compares archives (or a stream) with the inventory.
+FP8 as uint8). `check_weights` compares archives (or a stream) with the inventory; `check_irpa` checks
+a file's structure before IREE sees it. The archive layout is spelled once, below.
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import DTYPES, ExportConfig, TensorSpec, check_irpa, check_vmfb, whole_key
+from .artifact import DTYPES, ExportConfig, TensorSpec, check_vmfb, shard_names, whole_key
 from .errors import ArtifactError
 
-__all__ = ["SHARD_BYTES", "shard_names", "plan_shards", "planned_names", "write_shards", "Weights", "WholeWeights",
+__all__ = ["SHARD_BYTES", "check_irpa", "plan_shards", "planned_names", "write_shards", "Weights", "WholeWeights",
            "open_weights", "check_weights", "checked", "storage_dtype", "file_sha256", "verify_export"]
 
 SHARD_BYTES = 2 << 30  # default shard size: a few files for Flash's ~150 GB, each mmap-friendly
 Tensor = tuple[str, np.ndarray, str]  # (key, array in the dtype's storage type, dtype name)
 
-_MAGIC = 0x41505249  # b"IRPA"
-_HEADER = struct.Struct("<IHHQQQQ" + "QQ" * 3)  # prefix (magic, version 0.0, size, next, flags), count, 3 segments
-_DATA_ENTRY = struct.Struct("<QIQQQQQQQQ")  # size, type, flags, name, metadata, alignment, storage range (76)
+# The IREE parameter archive layout (iree/schemas/parameter_archive.h), the one place it is spelled
+_MAGIC = 0x41505249  # b"IRPA" little-endian
+_HEADER = struct.Struct("<IHHQQQQ" + "QQ" * 3)  # prefix (magic, version 0.0, size, next, flags), count, 3 segments (88)
+_ENTRY = struct.Struct("<QIQQQQQQ")  # every entry: size, type, flags, name, metadata, alignment (60)
+_DATA_ENTRY = struct.Struct(_ENTRY.format + "QQ")  # a data entry: + its storage range (76)
 _TYPE_DATA = 2
 _STORAGE_AT = 4096  # the storage segment starts at the first page; entry table and metadata follow it
 _DATA_ALIGN = 64  # every tensor's bytes start at a multiple of this (IREE's default)
@@ -58,11 +61,6 @@ def storage_dtype(dtype: str) -> np.dtype:
         return np.dtype(DTYPES[dtype][0])
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}") from None
-
-
-def shard_names(prefix: str, n: int) -> list[str]:
-    """``prefix-00001-of-0000n.irpa`` ... for n shards."""
-    return [f"{prefix}-{i + 1:05d}-of-{n:05d}.irpa" for i in range(n)]
 
 
 def _padded(n: int) -> int:
@@ -255,6 +253,51 @@ def write_shards(out_dir: str | os.PathLike, tensors: Iterable[Tensor], prefix: 
             digests[f] = h
     log(f"wrote {len(final)} file(s) to {out}: {status()}")
     return final
+
+
+def check_irpa(path: str | os.PathLike) -> int:
+    """Check that `path` is a complete IREE parameter archive (header, entry table, and every data
+    entry inside the file); returns the number of entries. ArtifactError naming the file otherwise
+    (a truncated download is named here instead of crashing inside the runtime)."""
+    p = Path(path)
+
+    def bad(msg: str) -> ArtifactError:
+        return ArtifactError(f"{p}: {msg} (re-export or re-download it)")
+
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                raise bad(f"not an IREE parameter archive ({size} bytes, too short for its header)")
+            (magic, major, _minor, _hsize, _next, _flags, count, e_off, e_len, m_off, m_len,
+             s_off, s_len) = _HEADER.unpack(head)
+            if magic != _MAGIC:
+                raise bad("not an IREE parameter archive (no IRPA magic)")
+            if major != 0:
+                raise bad(f"parameter archive version {major} is not supported (this runtime reads 0)")
+            for name, off, ln in (("entry", e_off, e_len), ("metadata", m_off, m_len), ("storage", s_off, s_len)):
+                if off + ln > size:
+                    raise bad(f"truncated: the {name} segment ends at byte {off + ln}, the file has {size}")
+            f.seek(e_off)
+            table = f.read(e_len)
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read: {e.strerror or e}") from None
+    at = 0
+    for i in range(count):
+        if at + _ENTRY.size > len(table):
+            raise bad(f"entry table holds fewer than its {count} entries")
+        esize, etype, _f, n_off, n_len, md_off, md_len, _al = _ENTRY.unpack_from(table, at)
+        if n_off + n_len > m_len or md_off + md_len > m_len or esize < _ENTRY.size:
+            raise bad(f"entry {i} is malformed")
+        if etype == _TYPE_DATA:
+            if esize < _DATA_ENTRY.size or at + _DATA_ENTRY.size > len(table):
+                raise bad(f"entry {i} is malformed")
+            st_off, st_len = _DATA_ENTRY.unpack_from(table, at)[-2:]
+            if st_off + st_len > s_len:
+                raise bad(f"truncated: entry {i}'s data ends at byte {s_off + st_off + st_len}, the file has {size}")
+        at += (esize + 15) // 16 * 16
+    return count
 
 
 class Weights(Mapping[str, np.ndarray]):

@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.model.kernels.linear import f32_linear
-from dsv4.model.model import Attention, Experts, Linear, gather_rows
+from dsv4.model.layers import Linear
+from dsv4.model.model import Attention, gather_rows
+from dsv4.model.moe import Experts
+from dsv4.model.quant.formats import FP8_BLOCK
 from dsv4.contract.artifact import SHARD_SPLITS, shard_key, shard_tensors
 
 __all__ = ["LAYOUT", "SHARD_SPLITS", "check_devices", "layout", "sharded", "shard_key", "shard_tensors",
            "to_device"]
-
-FP8_BLOCK = 128
 
 LAYOUT = {
     "routed_experts": "split by expert (expert parallel); partial outputs summed on device 0",

@@ -11,6 +11,9 @@ depend only on the config and T, every state write a whole-tensor `index_put_`.
 
 Numerics follow the reference (spec §6): bf16 activations, fp32 mHC/norm/gate/compressor math,
 fp32 logits. `dtype=torch.float32` runs the same graph in fp32 (used by consistency tests).
+
+The weight-holding layers (RMSNorm, Linear, Head) are layers.py, the MoE (gate, routed and shared
+experts) moe.py; this file is attention, the mHC blocks and the Transformer around them.
 """
 
 from __future__ import annotations
@@ -19,80 +22,23 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .quant import sim as quant_sim
 from .config import ModelConfig
 from .kernels.indexer import indexer_topk
-from .kernels.linear import f32_linear, grouped_linear, linear
+from .kernels.linear import f32_linear, grouped_linear
 from .kernels.mhc import hc_sinkhorn
-from .kernels.moe import moe_experts, swiglu
 from .kernels.sparse_attention import sparse_attention
-from .kernels.topk import topk_indices
+from .layers import Head, Linear, RMSNorm
+from .moe import MoE
+from .quant import sim as quant_sim
 from .state import LayerState, StateLayout
 
 __all__ = ["Transformer", "Batch", "rope_table", "empty_model", "init_random"]
 
-FP8_BLOCK = 128
-
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
-
-
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * w in fp32, returned in x's dtype (weight kept fp32)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
-
-
-class Linear(nn.Module):
-    """y = x W^T with W in the checkpoint's format.
-
-    quant=None: W in `dtype`. quant="fp8": W float8_e4m3fn [out, in] + `scale` [ceil(out/128),
-    ceil(in/128)] (uint8 E8M0, or float32 for -Base checkpoints). Low-bit weights stay low-bit;
-    kernels.linear dequantizes at use.
-    """
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, quant: str | None = None,
-                 scale_dtype: torch.dtype = torch.uint8):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        if quant is None:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-            self.register_parameter("scale", None)
-        elif quant == "fp8":
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
-                                       requires_grad=False)
-            sshape = (math.ceil(out_features / FP8_BLOCK), math.ceil(in_features / FP8_BLOCK))
-            self.scale = nn.Parameter(torch.empty(sshape, dtype=scale_dtype), requires_grad=False)
-        else:
-            raise ValueError(f"unknown linear quantization {quant!r}")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale)
-
-
-class Head(nn.Linear):
-    """The output head: fp32 logits = x W^T through f32_linear (fp32 products and sums). W [vocab, d] is
-    held in the model's dtype: checkpoints store it bf16 (spec §4.2; the reference upcasts it to fp32,
-    which changes no value), and with the normed x bf16 too the GPU kernel is one bf16 GEMM on the
-    matrix cores with exact products, reading half the bytes of an fp32 copy."""
-
-    def __init__(self, d: int, vocab: int, dtype: torch.dtype):
-        super().__init__(d, vocab, bias=False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return f32_linear(x, self.weight)
 
 
 def rope_table(rd: int, max_len: int, base: float, yarn: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,92 +373,6 @@ class Attention(nn.Module):
         _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
              ring_update(ring, kv, b.start, b.lengths))
         return out
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE
-
-
-class Gate(nn.Module):
-    """sqrtsoftplus scores; top-k of score + bias (or a fixed tid2eid table on hash layers)."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
-        super().__init__()
-        self.k, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
-        self.hash = cfg.is_hash_layer(layer)
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
-        if self.hash:
-            self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, self.k, dtype=torch.int64), requires_grad=False)
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = F.softplus(f32_linear(x, self.weight)).sqrt()
-        if self.hash:
-            idx = self.tid2eid[ids]
-        else:
-            idx = topk_indices(s + self.bias, self.k)  # the bias steers selection only
-        w = s.gather(-1, idx)
-        return w / w.sum(-1, keepdim=True) * self.scale, idx
-
-
-class Expert(nn.Module):
-    """The shared expert: clamped SwiGLU (current official code clamps it, spec §7.1)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: str | None):
-        super().__init__()
-        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.limit = cfg.swiglu_limit
-        self.w1 = Linear(d, inter, dtype, quant)
-        self.w2 = Linear(inter, d, dtype, quant)
-        self.w3 = Linear(d, inter, dtype, quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
-
-
-class Experts(nn.Module):
-    """The routed experts, stacked [E, out, in] (packed MXFP4 [E, out, in/2] + E8M0 [E, out, in/32])."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str | None):
-        super().__init__()
-        E, d, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.limit = cfg.swiglu_limit
-        for name, (o, i) in {"w1": (inter, d), "w2": (d, inter), "w3": (inter, d)}.items():
-            if fmt is None:
-                setattr(self, name, nn.Parameter(torch.empty(E, o, i, dtype=dtype)))
-                self.register_parameter(f"{name}_scale", None)
-            elif fmt == "fp4":
-                setattr(self, name, nn.Parameter(torch.empty(E, o, i // 2, dtype=torch.uint8), requires_grad=False))
-                setattr(self, f"{name}_scale",
-                        nn.Parameter(torch.empty(E, o, i // 32, dtype=torch.uint8), requires_grad=False))
-            elif fmt == "fp8":
-                setattr(self, name, nn.Parameter(torch.empty(E, o, i, dtype=torch.float8_e4m3fn), requires_grad=False))
-                setattr(self, f"{name}_scale", nn.Parameter(
-                    torch.empty(E, math.ceil(o / FP8_BLOCK), math.ceil(i / FP8_BLOCK), dtype=torch.float32),
-                    requires_grad=False))
-            else:
-                raise ValueError(f"unknown expert format {fmt!r}")
-
-    def forward(self, x, weights, indices):
-        return moe_experts(x, weights, indices, self.w1, self.w1_scale, self.w2, self.w2_scale,
-                           self.w3, self.w3_scale, self.limit)
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None, expert_fmt: str | None):
-        super().__init__()
-        self.gate = Gate(cfg, layer, dtype)
-        self.experts = Experts(cfg, dtype, expert_fmt)
-        self.shared_experts = Expert(cfg, dtype, quant)
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1])
-        w, idx = self.gate(xf, ids.reshape(-1))
-        y = self.experts(xf, w, idx) + self.shared_experts(xf).float()
-        return y.to(x.dtype).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Torch-free (numpy + iree.runtime). Two runtime traps handled here (iree-notes §
 * State (KV caches) must be passed as device arrays (`IreeModule.device_array` / `zeros`): a
   numpy argument is copied in, so in-place updates made by the module would be invisible.
 
-Both files are checked structurally first (`artifact.check_vmfb` / `check_irpa`), so a truncated
+Both files are checked structurally first (`artifact.check_vmfb` / `weights.check_irpa`), so a truncated
 or corrupt artifact is reported by name rather than failing inside IREE; given the inventory
 (config.json's ``weights``), the loaded parameters are checked against it too (a missing, extra or
 mis-sized tensor is named instead of failing at the first call that reads it).
@@ -24,8 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dsv4.contract.artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_irpa, check_vmfb, state_stage
+from dsv4.contract.artifact import DTYPES, PARAM_SCOPE, StateSpec, TensorSpec, check_vmfb, state_stage
 from dsv4.contract.errors import ArtifactError, EngineError
+from dsv4.contract.weights import check_irpa
 
 __all__ = ["IreeModule", "PipelineModule", "ensure_runtime_flags", "TASK_WORKER_STACK_SIZE"]
 

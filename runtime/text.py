@@ -6,47 +6,33 @@ Torch-free: tokenizers (and jinja2 for the chat template).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dsv4.contract.errors import ArtifactError, EngineError, RequestError
+from dsv4.contract.errors import EngineError, RequestError
+from dsv4.contract.tokenizer import decode, literal_ids, read_tokenizer, read_tokenizer_config, template_ids
 
 __all__ = ["TextCodec", "StopMatcher", "IncrementalDecoder"]
 
 
 class TextCodec:
-    """The tokenizer of an export (tokenizer.json, and tokenizer_config.json when present)."""
+    """The tokenizer of an export (tokenizer.json, and tokenizer_config.json when present), read
+    through the tokenizer format (dsv4.contract.tokenizer) with the export's own bos id."""
 
     def __init__(self, path: str | Path, bos_token_id: int | None):
-        from tokenizers import Tokenizer
-
-        path = Path(path)
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises its own Exception type
-            raise ArtifactError(f"{path}: cannot load the tokenizer ({e}); re-export it") from None
+        self.tokenizer = read_tokenizer(path)
         self.bos_token_id = bos_token_id
-        self.config: dict = {}
-        tc = path.with_name("tokenizer_config.json")
-        if tc.is_file():
-            try:
-                self.config = json.loads(tc.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ArtifactError(f"{tc} is not valid JSON ({e}); re-export it") from None
+        self.config: dict = read_tokenizer_config(path)
         self.chat_template: str | None = self.config.get("chat_template")
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text`` taken literally (special-token strings inside it stay plain text)."""
-        tok = self.tokenizer
-        tok.encode_special_tokens = True
-        ids = tok.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id
-        return ([bos] if add_bos and bos is not None else []) + ids
+        return ([bos] if add_bos and bos is not None else []) + literal_ids(self.tokenizer, text)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render the chat template and encode it: the template's own special tokens (bos) are
@@ -64,12 +50,7 @@ class TextCodec:
                 bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "")
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template cannot render these messages: {e}") from None
-        tok = self.tokenizer
-        tok.encode_special_tokens = False
-        try:
-            return tok.encode(text, add_special_tokens=False).ids
-        finally:
-            tok.encode_special_tokens = True
+        return template_ids(self.tokenizer, text)
 
 
 class IncrementalDecoder:

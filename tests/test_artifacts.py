@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, ExportConfig
-from dsv4.contract.artifact import (FORMAT, build_config, check_irpa, check_out_dir, check_vmfb, is_export_dir,
-                                   staged_export, write_config)
+from dsv4.contract.artifact import (FORMAT, build_config, check_out_dir, check_vmfb, is_export_dir, staged_export,
+                                   write_config)
+from dsv4.contract.weights import check_irpa
 from dsv4.runtime.text import IncrementalDecoder, StopMatcher
 
 REPO = Path(__file__).resolve().parents[1]

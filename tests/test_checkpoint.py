@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dsv4.model.kernels.moe as moe_kernels
-import dsv4.model.model as model_mod
+import dsv4.model.layers as layers_mod
 from dsv4.model.checkpoint import (
     CheckpointError,
     canonical_name,
@@ -408,12 +408,12 @@ def test_quantized_logits_vs_float_and_float64_reference(official, float_model, 
         if is_experts or (name.endswith(".weight") and name[:-7] + ".scale" in raw and ".attn.wo_a." not in name):
             act_quant |= {p[e].data_ptr() for e in range(p.shape[0])} if is_experts else {p.data_ptr()}
 
-    plain = model_mod.linear
+    plain = layers_mod.linear
 
     def linear(x, w, scale=None):  # FP8/FP4 linears quantize their input as the kernels do
         return plain(act_qdq64(x) if w.data_ptr() in act_quant else x, w, scale)
 
-    monkeypatch.setattr(model_mod, "linear", linear)
+    monkeypatch.setattr(layers_mod, "linear", linear)
     plain_stacked = moe_kernels.stacked_linear
 
     def stacked_linear(x, w, scale=None):  # expert stacks: a slice starts at some expert's data

@@ -162,3 +162,38 @@ def test_save_load(tok, tmp_path, corpus):
     assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN
     assert cfg["model_max_length"] == 512
     assert cfg["add_bos_token"] is False and cfg["clean_up_tokenization_spaces"] is False
+
+
+def test_reading_any_tokenizer_and_the_encoding_modes(tok, tmp_path):
+    from dsv4.contract.errors import ArtifactError
+    from dsv4.contract.tokenizer import (literal_ids, literal_ids_batch, read_tokenizer, read_tokenizer_config,
+                                         template_ids)
+    from dsv4.runtime.text import TextCodec
+
+    d = save_tokenizer(tok, tmp_path / "tok")
+    assert read_tokenizer(d).to_str() == tok.to_str()
+    assert read_tokenizer_config(d / "tokenizer.json")["eos_token"] == EOS_TOKEN
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_text(tok.to_str())
+    assert read_tokenizer_config(tmp_path / "bare") == {}  # no tokenizer_config.json: nothing to read
+    (tmp_path / "bare" / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="tokenizer_config.json is not valid JSON"):
+        read_tokenizer_config(tmp_path / "bare")
+    (tmp_path / "bare" / "tokenizer.json").write_text(tok.to_str()[:100])
+    with pytest.raises(ArtifactError, match="bare/tokenizer.json: cannot load the tokenizer"):
+        read_tokenizer(tmp_path / "bare")
+
+    # literal: a special-token string is text; template: it is the special token (tokenizers' own modes)
+    text = f"a{EOS_TOKEN}b"
+    tok.encode_special_tokens = True
+    want_literal = tok.encode(text, add_special_tokens=False).ids
+    tok.encode_special_tokens = False
+    want_template = tok.encode(text, add_special_tokens=False).ids
+    assert EOS_ID in want_template and EOS_ID not in want_literal
+    assert template_ids(tok, text) == want_template and tok.encode_special_tokens  # left in literal mode
+    assert literal_ids(tok, text) == want_literal
+    assert literal_ids_batch(tok, [text, "hello"]) == [want_literal, literal_ids(tok, "hello")]
+    # the runtime's codec: the export's own bos id, the same literal ids
+    codec = TextCodec(d / "tokenizer.json", bos_token_id=7)
+    assert codec.encode(text) == [7, *want_literal] and codec.encode(text, add_bos=False) == want_literal
+    assert codec.decode([BOS_ID, *want_template]) == "ab"

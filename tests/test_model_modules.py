@@ -9,8 +9,9 @@ from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.model import (Batch, Compressor, Gate, MoE, apply_rope, hc_head, hc_post, hc_pre, init_random,
-                              pad_selection, rope_table)
+from dsv4.model.model import (Batch, Compressor, apply_rope, hc_head, hc_post, hc_pre, init_random, pad_selection,
+                              rope_table)
+from dsv4.model.moe import Gate, MoE
 
 G = torch.Generator().manual_seed(1234)
 

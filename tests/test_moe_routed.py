@@ -22,7 +22,8 @@ from dsv4.model import kernels as mk
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.moe import (GROUP_BLOCK, grouped_blocks, merged_slot_weights, moe_experts,
                                     moe_experts_routed, pair_ranks, routed_moe)
-from dsv4.model.model import MoE, Transformer, init_random
+from dsv4.model.model import Transformer, init_random
+from dsv4.model.moe import MoE
 from dsv4.model.state import new_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

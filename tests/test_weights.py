@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, ExportConfig
-from dsv4.contract.artifact import TensorSpec, check_irpa
-from dsv4.contract.weights import (check_weights, checked, open_weights, plan_shards, shard_names, storage_dtype,
+from dsv4.contract.artifact import TensorSpec, shard_names
+from dsv4.contract.weights import (check_irpa, check_weights, checked, open_weights, plan_shards, storage_dtype,
                                   write_shards)
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4.model.config import ModelConfig
-from dsv4.contract.tokenizer import BOS_ID, EOS_ID, load_tokenizer, save_tokenizer
+from dsv4.contract.tokenizer import BOS_ID, EOS_ID, literal_ids_batch, load_tokenizer, save_tokenizer
 
 from .config import TrainConfig
 
@@ -26,11 +26,10 @@ DATA_INFO = "corpus.json"
 
 def token_stream(tok: Any, docs: Sequence[str]) -> torch.Tensor:
     """All documents as one int64 stream, each framed as bos + text + eos (how documents are seen)."""
-    tok.encode_special_tokens = True
     ids: list[int] = []
-    for enc in tok.encode_batch(list(docs), add_special_tokens=False):
+    for doc in literal_ids_batch(tok, docs):
         ids.append(BOS_ID)
-        ids.extend(enc.ids)
+        ids.extend(doc)
         ids.append(EOS_ID)
     return torch.tensor(ids, dtype=torch.long)
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import linear
 from dsv4.model.kernels.moe import swiglu
-from dsv4.model.model import Gate, Indexer, Transformer
+from dsv4.model.model import Indexer, Transformer
+from dsv4.model.moe import Gate
 from dsv4.model.state import new_state
 
 __all__ = ["routed_moe_experts", "indexer_kl", "compute_losses", "ExpertLoad"]

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv4.contract.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
+from dsv4.contract.tokenizer import (BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, literal_ids_batch,
+                                     save_tokenizer)
 
 __all__ = ["RECOMMENDED_VOCAB_SIZE", "MIN_VOCAB_SIZE", "train_tokenizer", "corpus_tokenizer"]
 
@@ -71,8 +72,7 @@ def corpus_tokenizer(vocab_size: int = RECOMMENDED_VOCAB_SIZE) -> Tokenizer:
 
 
 def _count_tokens(tok: Tokenizer, docs: Sequence[str]) -> int:
-    tok.encode_special_tokens = True
-    return sum(len(e.ids) for e in tok.encode_batch(list(docs), add_special_tokens=False))
+    return sum(len(ids) for ids in literal_ids_batch(tok, docs))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

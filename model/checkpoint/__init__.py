@@ -57,8 +57,8 @@ _LAZY = {
     "load_export_model": ".irpa",
     "param_inventory": ".irpa",
     "make_random_checkpoint": ".make",
-    "quantize_fp8_block": "..quantize",
-    "quantize_mxfp4": "..quantize",
+    "quantize_fp8_block": "..quant.quantize",
+    "quantize_mxfp4": "..quant.quantize",
     "transformers_config_dict": "..transformers_config",
 }
 

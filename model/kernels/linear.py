@@ -47,16 +47,15 @@ from ..quant.formats import (
     dequant_mxfp4,
 )
 from . import KERNELS, kernel, overrides
-from .qdq import FP8_AMAX_FLOOR, block_qdq
+from .qdq import block_qdq
 
 __all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "grouped_linear", "fp8_block_linear", "mxfp4_linear",
            "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
-           "ACT_AMAX_FLOOR", "weight_only_linears"]
+           "weight_only_linears"]
 
-ACT_AMAX_FLOOR = FP8_AMAX_FLOOR  # the reference act_quant's amax floor
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _F = (torch.float32, torch.bfloat16)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+_FP8 = tuple(FP8_FORMATS)
 _BYTES = (torch.uint8, torch.int8)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)
 _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qdq kernels)

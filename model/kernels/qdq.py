@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.formats import E2M1_MAX, E4M3_MAX
 from . import kernel
 
-__all__ = ["E4M3_MAX", "E2M1_MAX", "FP8_AMAX_FLOOR", "FP4_AMAX_FLOOR", "round_to_e4m3", "round_to_e2m1",
+__all__ = ["FP8_AMAX_FLOOR", "FP4_AMAX_FLOOR", "round_to_e4m3", "round_to_e2m1",
            "pow2_block_scale", "block_qdq", "fp8_qdq", "fp4_qdq", "hadamard"]
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
 FP8_AMAX_FLOOR = 1e-4  # the reference act_quant's amax floor (also the KV simulation's)
 FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
 

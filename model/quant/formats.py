@@ -35,6 +35,7 @@ __all__ = [
     "Fp8Format",
     "E2M1_VALUES",
     "E2M1_MAX",
+    "E4M3_MAX",
     "MXFP4_BLOCK",
     "FP8_BLOCK",
     "e2m1_encode",
@@ -82,8 +83,9 @@ class Fp8Format:
         return 2.0 ** (1 - self.bias - 3)
 
 
+E4M3_MAX = 448.0  # the largest finite e4m3fn value (OCP); the activations' FP8 range
 FP8_FORMATS: dict[torch.dtype, Fp8Format] = {
-    E4M3FN: Fp8Format(E4M3FN, bias=7, max=448.0, fnuz=False),
+    E4M3FN: Fp8Format(E4M3FN, bias=7, max=E4M3_MAX, fnuz=False),
     E4M3FNUZ: Fp8Format(E4M3FNUZ, bias=8, max=240.0, fnuz=True),
 }
 

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .formats import E4M3FN, FP8_BLOCK, MXFP4_BLOCK, e2m1_encode, e8m0_decode, e8m0_encode, fp8_encode, pack_e2m1
+from .formats import E2M1_MAX, E4M3_MAX, E4M3FN, FP8_BLOCK, MXFP4_BLOCK, e2m1_encode, e8m0_decode, e8m0_encode, fp8_encode, pack_e2m1
 
 __all__ = ["quantize_fp8_block", "quantize_mxfp4"]
 
@@ -29,10 +29,10 @@ def quantize_fp8_block(w: torch.Tensor, scale_fmt: str = "ue8m0") -> tuple[torch
     padded = F.pad(wf.abs(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
     amax = padded.view(nb, FP8_BLOCK, kb, FP8_BLOCK).amax((1, 3))
     if scale_fmt == "fp32":
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         sf = scale
     elif scale_fmt == "ue8m0":
-        scale = _pow2_at_least(amax.double() / 448.0)
+        scale = _pow2_at_least(amax.double() / E4M3_MAX)
         sf = e8m0_decode(scale)
     else:
         raise ValueError(f"unknown scale_fmt {scale_fmt!r}")
@@ -47,6 +47,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % MXFP4_BLOCK:
         raise ValueError(f"quantize_mxfp4: K={k} is not a multiple of {MXFP4_BLOCK}")
     wf = w.float().view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
-    scale = _pow2_at_least(wf.abs().amax(-1).double() / 6.0)
+    scale = _pow2_at_least(wf.abs().amax(-1).double() / E2M1_MAX)
     codes = e2m1_encode(wf / e8m0_decode(scale)[..., None])
     return pack_e2m1(codes.view(n, k)), scale

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..kernels import qdq
-from ..kernels.qdq import E2M1_MAX, E4M3_MAX, pow2_block_scale, round_to_e2m1, round_to_e4m3  # noqa: F401
+from ..kernels.qdq import round_to_e2m1, round_to_e4m3  # noqa: F401
 
 
 def _on_rank4(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: int) -> torch.Tensor:
