@@ -4,6 +4,7 @@ model folder (official FP8/MXFP4 checkpoint, bf16 master, tokenizer, train_log.j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -39,6 +40,21 @@ class TrainResult:
     eval_ids: torch.Tensor  # the held-out token stream
 
 
+def _restores_torch_settings(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A run sets torch's thread count and flush-denormal mode for itself; the caller gets its own back
+    (flush-denormal has no getter: torch's default, off, is restored), so code run after a training
+    run in the same process (tests, a notebook) keeps IEEE denormals."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+            torch.set_flush_denormal(False)
+    return wrapper
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -55,6 +71,7 @@ def _device_name(device: str) -> str:
     return device
 
 
+@_restores_torch_settings
 def train(tcfg: TrainConfig = TrainConfig(), log: Callable[[str], None] | None = print,
           eval_windows: int | None = None, sample_tokens: int = 40, data: str | Path | None = None,
           on_best: Callable[[Transformer, dict[str, Any]], None] | None = None) -> TrainResult:
@@ -164,6 +181,7 @@ def finish(res: TrainResult, out: str | Path, eval_windows: int | None = None, f
         log(f"wrote {written}")
 
 
+@_restores_torch_settings
 def from_master(master: str | Path, tcfg: TrainConfig | None = None, data: str | Path | None = None,
                 eval_windows: int | None = None, sample_tokens: int = 40, threads: int = 1,
                 log: Callable[[str], None] | None = print) -> TrainResult:
