@@ -16,7 +16,7 @@ Two scales to judge the error by: the eager model's own two-chunk sensitivity (t
 in two pieces) and, with --eager-device2, the difference between eager on two devices (prefill
 logits): two correct implementations that round differently. In bf16 with the reference's FP8
 activation quantization, one rounding difference in an activation can move an e4m3 code by a
-step (1/8 relative), so implementation noise is far above bf16's own 2^-8 (docs/real-size.md).
+step (1/8 relative), so implementation noise is far above bf16's own 2^-8 (docs/numerics.md).
 With --reference-dtype float32 a third side, the eager model on the same weights with float32
 activations, is the yardstick for both bf16 sides: per step, whether each one's argmax equals it.
 The eager side maps the weights (model.checkpoint.load_irpa(mapped=True)), so it needs torch but

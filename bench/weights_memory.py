@@ -1,4 +1,4 @@
-"""Peak memory of writing weights at real dimensions (docs/weights.md, "Measured"). Run each step
+"""Peak memory of writing weights at real dimensions (docs/export.md, "Measured"). Run each step
 under `/usr/bin/time -v` and read "Maximum resident set size"; the files are several GB, delete
 them afterwards.
 

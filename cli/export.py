@@ -106,7 +106,7 @@ def add_parser(subparsers: Any, name: str = "export") -> argparse.ArgumentParser
                         "to run on several H200s with IREE 3.13's cuda driver; docs/scale.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="pad the GEMMs' rows to a 16-row tile so a GPU's decode functions give a request the same "
-                        "bits at every batch size (docs/batch-invariance.md: costs decode speed at small batches; "
+                        "bits at every batch size (docs/numerics.md: costs decode speed at small batches; "
                         "llvm-cpu is batch-invariant without it, so an llvm-cpu-only export ignores it and "
                         "one that mixes llvm-cpu with a GPU target is refused)")
     p.add_argument("--kernel", action="append", default=[], type=_kernel, metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))

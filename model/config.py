@@ -1,6 +1,6 @@
 """ModelConfig: the DeepSeek-V4 hyper-parameters, parsed from a Hugging Face `config.json`.
 
-Field names are the HF `deepseek_v4` names (spec §1.1). Two fields are ours, not HF's:
+Field names are the HF `deepseek_v4` names (docs/model.md, Configuration). Two fields are ours, not HF's:
 `max_seq_len` (sizes the decode state and the RoPE tables; the reference's `ModelArgs.max_seq_len`)
 and `quant_sim` (the reference's FP8/FP4 quantization simulations; on as in the released model,
 off as transformers runs it).
@@ -289,7 +289,7 @@ def _check_ignored(key: str, value: Any) -> None:
 
 # What a checkpoint's config.json must state (ModelConfig.from_checkpoint): the model type and every
 # field that sets a tensor or state shape or differs between the released Flash and Pro configs
-# (spec §1.1). Each maps to the transformers-form keys that state it instead. Fields left out are
+# (docs/model.md, Configuration). Each maps to the transformers-form keys that state it instead. Fields left out are
 # the single values DeepSeek-V4 allows (validate() checks them) or numerics both releases share.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "model_type": (),
@@ -321,7 +321,7 @@ _IGNORED_KEYS = {
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # DeepSeek-V4-Flash as released (spec §1.1); layers 0,1 sliding, then CSA/HCA alternating.
+    # DeepSeek-V4-Flash as released (docs/model.md, Configuration); layers 0,1 sliding, then CSA/HCA alternating.
     "flash": dict(
         vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
         head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,

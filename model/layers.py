@@ -57,7 +57,7 @@ class Linear(nn.Module):
 
 class Head(nn.Linear):
     """The output head: fp32 logits = x W^T through f32_linear (fp32 products and sums). W [vocab, d] is
-    held in the model's dtype: checkpoints store it bf16 (spec §4.2; the reference upcasts it to fp32,
+    held in the model's dtype: checkpoints store it bf16 (docs/model.md, Checkpoint format; the reference upcasts it to fp32,
     which changes no value), and with the normed x bf16 too the GPU kernel is one bf16 GEMM on the
     matrix cores with exact products, reading half the bytes of an fp32 copy."""
 

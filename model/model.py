@@ -9,7 +9,7 @@ decode state (see state.py) is read for the batch's `slots` and written back in 
 Written to be exported: no `.item()`, no Python branching on tensor values, static shapes that
 depend only on the config and T, every state write a whole-tensor `index_put_`.
 
-Numerics follow the reference (spec §6): bf16 activations, fp32 mHC/norm/gate/compressor math,
+Numerics follow the reference (docs/model.md, Reference numerics): bf16 activations, fp32 mHC/norm/gate/compressor math,
 fp32 logits. `dtype=torch.float32` runs the same graph in fp32 (used by consistency tests).
 
 The weight-holding layers (RMSNorm, Linear, Head) are layers.py, the MoE (gate, routed and shared
@@ -44,7 +44,7 @@ __all__ = ["Transformer", "Batch", "rope_table", "empty_model", "init_random"]
 def rope_table(rd: int, max_len: int, base: float, yarn: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_len, rd/2] (fp32) of the interleaved RoPE, with YaRN frequency ramp if given.
 
-    YaRN as DeepSeek-V4 uses it (spec §2.2): frequencies interpolated by a linear ramp between the
+    YaRN as DeepSeek-V4 uses it (docs/model.md, Forward pass): frequencies interpolated by a linear ramp between the
     beta_fast and beta_slow correction dims; no magnitude (mscale) factor anywhere.
     """
     freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
@@ -143,8 +143,8 @@ def pad_selection(idx: torch.Tensor, multiple: int = SELECTION_MULTIPLE) -> torc
     """idx [..., K] padded with -1 (no row) to a multiple of `multiple` entries: the same attention.
     IREE 3.13's cuda code for the sparse-attention kernel returns the last row of a batch (B > 1)
     non-finite when K is not a multiple of 16, with every input finite and equal across rows: Flash's
-    HCA layers at max_seq_len 256 have K = 130 (bench/sparse_attention_rows.py, docs/performance.md
-    session 22)."""
+    HCA layers at max_seq_len 256 have K = 130 (docs/performance.md, GPU faults found and fixed;
+    reproduce with `git show a7b70ea:bench/sparse_attention_rows.py`)."""
     pad = -idx.shape[-1] % multiple
     if not pad:
         return idx
@@ -156,7 +156,7 @@ def pad_selection(idx: torch.Tensor, multiple: int = SELECTION_MULTIPLE) -> torc
 
 
 class Compressor(nn.Module):
-    """Softmax-gated pooling of m tokens into one KV entry (spec §2.4).
+    """Softmax-gated pooling of m tokens into one KV entry (docs/model.md, Forward pass).
 
     Ratio 4 pools overlapping windows: entry j mixes window j-1 (first hd features) and window j
     (last hd features), 2m slots in one softmax. Other ratios pool plain windows. Entry j exists once
@@ -229,7 +229,7 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
 
 
 class Indexer(nn.Module):
-    """Lightning indexer of CSA layers: picks index_topk compressed entries per query (spec §2.6)."""
+    """Lightning indexer of CSA layers: picks index_topk compressed entries per query (docs/model.md, Forward pass)."""
 
     # Training hook, off by default (used by train.py). The top-k selection is not differentiable,
     # so the indexer learns only from an auxiliary loss that aligns its scores with the main
@@ -275,7 +275,7 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """Single-head-KV (K = V, 512-d) attention with sink, sliding window, and CSA/HCA (spec §2.2-2.7).
+    """Single-head-KV (K = V, 512-d) attention with sink, sliding window, and CSA/HCA (docs/model.md, Forward pass).
 
     `head_shards` (None here; export/sharding.py sets it for a multi-device export) computes the
     query heads and their output groups from (qr, kvs, idx, cos, sin) instead of `queries` + `attend`.
@@ -465,7 +465,7 @@ class Block(nn.Module):
 
 class MTPBlock(Block):
     """Multi-token prediction (mtp.k): predicts token t+2 from the backbone's last streams at t
-    and the embedding of token t+1 (spec §2.10); shares embed and head with the model."""
+    and the embedding of token t+1 (docs/model.md, Forward pass); shares embed and head with the model."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: str | None,
                  expert_fmt: str | None):
@@ -508,7 +508,7 @@ class Transformer(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, quant, expert_fmt) for k in range(cfg.n_mtp))
         if quant and (cfg.quantization_config or {}).get("scale_fmt") == "fp32":
-            # -Base checkpoints store the FP8 block scales as float32 (spec §1.3); kernels take both
+            # -Base checkpoints store the FP8 block scales as float32 (docs/model.md, Configuration); kernels take both
             for mod in self.modules():
                 if isinstance(mod, Linear) and mod.scale is not None:
                     mod.scale = nn.Parameter(torch.empty(mod.scale.shape, dtype=torch.float32), requires_grad=False)
@@ -570,7 +570,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized
 
 @torch.no_grad()
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    """Random weights in the spirit of HF's _init_weights (spec §5.2); float weights only. Which
+    """Random weights in the spirit of HF's _init_weights (docs/model.md, Random weights); float weights only. Which
     parameter gets what is `init_rule` (dsv4.contract.random_weights: the torch-free `dsv4 weights
     random` follows the same rules)."""
     from dsv4.contract.random_weights import init_rule

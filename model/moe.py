@@ -45,7 +45,7 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """The shared expert: clamped SwiGLU (current official code clamps it, spec §7.1)."""
+    """The shared expert: clamped SwiGLU (current official code clamps it, docs/model.md, Forward pass)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: str | None):
         super().__init__()

@@ -1,8 +1,8 @@
-"""The decode state: what a sequence carries from one call to the next (spec §3), as a few flat tensors.
+"""The decode state: what a sequence carries from one call to the next (docs/model.md, Decode state), as a few flat tensors.
 
 Every tensor has the sequence *slot* as dim 0 and the layer (within its kind) as dim 1, so export
 passes the whole state as a handful of device arguments that calls update in place with
-whole-tensor `index_put_` (iree-notes §6: writes through views of an argument fail), and a runtime
+whole-tensor `index_put_` (docs/export.md, IREE 3.13 traps: writes through views of an argument fail), and a runtime
 can run any sequence in any slot.
 
 | name             | shape                                   | dtype  | holds                                            |

@@ -3,7 +3,7 @@
 
 transformers' DeepseekV4Config (>= 5.8) saves the schedule as `layer_types` + `compress_rates`,
 hash routing as `mlp_layer_types`, the rope split as `partial_rotary_factor` and the two rope
-tables as `rope_parameters = {"main": ..., "compress": ...}` (spec §5). It has no MTP entry in
+tables as `rope_parameters = {"main": ..., "compress": ...}` (docs/model.md, Configuration). It has no MTP entry in
 `layer_types` and moves `expert_dtype` into `quantization_config`. Without a quantization_config
 a transformers config describes an unquantized model.
 """
@@ -39,7 +39,7 @@ def from_transformers_form(d: dict[str, Any]) -> dict[str, Any]:
     rates = {**_HF_DEFAULT_RATES, **rates}
     if rates[_CSA] != 4:
         raise ConfigError(f"compress_rates.{_CSA}: {rates[_CSA]} is not supported: the overlapping "
-                          "compressor and the lightning indexer are tied to ratio 4 here (spec §2.4)")
+                          "compressor and the lightning indexer are tied to ratio 4 here (docs/model.md, Forward pass)")
     if not (isinstance(rates[_HCA], int) and rates[_HCA] >= 2 and rates[_HCA] != 4):
         raise ConfigError(f"compress_rates.{_HCA}: expected an int >= 2 other than 4 (4 means CSA), "
                           f"got {rates[_HCA]!r}")
@@ -111,7 +111,7 @@ def from_transformers_form(d: dict[str, Any]) -> dict[str, Any]:
             if float(1.0 if af is None else af) != 1.0:
                 raise ConfigError("rope_parameters.compress.attention_factor: transformers would scale cos/sin by "
                                   f"{af:.4g} (YaRN mscale); DeepSeek-V4 applies no YaRN magnitude scaling "
-                                  "(spec §2.2): set attention_factor to 1.0")
+                                  "(docs/model.md, Forward pass): set attention_factor to 1.0")
             if not comp.get("truncate", True):
                 raise ConfigError("rope_parameters.compress.truncate: the reference truncates the YaRN "
                                   "correction range (floor/ceil)")
@@ -172,7 +172,7 @@ def transformers_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         compress.update(rope_type="yarn", factor=rs["factor"],
                         original_max_position_embeddings=rs["original_max_position_embeddings"],
                         beta_fast=rs.get("beta_fast", 32), beta_slow=rs.get("beta_slow", 1),
-                        attention_factor=1.0)  # the reference applies no YaRN mscale (spec §2.2)
+                        attention_factor=1.0)  # the reference applies no YaRN mscale (docs/model.md, Forward pass)
     d = cfg.to_dict()
     for k in ("compress_ratios", "num_hash_layers", "rope_scaling", "expert_dtype", "quantization_config"):
         d.pop(k)

@@ -7,7 +7,7 @@ the base install is present (the GPU hosts). The parts it drives live beside it:
 ``batching`` (slots, padded calls), ``text`` (tokenizer, chat template, stop strings,
 incremental detokenization) and ``sampling`` (host-side token choice).
 
-How a request runs (iree-notes §3, anchors §5):
+How a request runs (docs/architecture.md, A request, step by step):
 * the decode state is a handful of device arrays allocated once (zeros) and updated in place by
   every call; each request owns one *slot* (dim 0 of every state tensor) while it runs;
 * calls are padded to the exported batch sizes with ``lengths == 0`` rows on slots that are not in
@@ -148,7 +148,7 @@ class Engine:
         request through one function, the smallest exported prefill batch size (one request per
         call when that is 1), so a request's logits are bitwise the same whatever else is running:
         IREE compiles prefill_bs1 and prefill_bs4 into code that rounds differently
-        (docs/batch-invariance.md; the cost is measured there). Decode stays batched: its functions
+        (docs/numerics.md; the cost is measured there). Decode stays batched: its functions
         agree bit for bit on llvm-cpu; on a GPU only in an export made with ``--batch-invariant``
         (measured on the H200 at decode batch sizes 1 to 64). False batches prefills across the
         exported sizes (fewer calls, logits may differ in the last bits with the company).
@@ -367,7 +367,7 @@ class Engine:
         step = cfg.prefill_max_tokens
         out: list[tuple[np.ndarray | None, int, int | None]] = []
         # batch-invariant: always the same function (the decode functions agree bit for bit on llvm-cpu;
-        # cuda: docs/batch-invariance.md)
+        # cuda: docs/numerics.md)
         sizes = cfg.prefill_batch_sizes[:1] if self.batch_invariant else cfg.prefill_batch_sizes
         for group, bs, rows in self._groups(reqs, sizes):
             last: list[tuple[np.ndarray | None, int, int | None]] = [(None, -1, None)] * len(group)
@@ -419,7 +419,7 @@ class Engine:
             k, r = bad[0]
             raise EngineError(f"{fname} returned non-finite logits for {len(bad)} request(s), e.g. request {r.id} "
                               f"(row {k}, slot {r.slot}, position {r.pos}): the export or its weights are "
-                              "broken (docs/real-size.md)")
+                              "broken (docs/performance.md)")
 
     def _sample_on_device(self, logits_d: Any, bs: int, rows: list[tuple[int, _Request]]) -> dict[int, int] | None:
         """{row: token} for the sampled (non-greedy) requests among ``rows`` (row index in the call,

@@ -1,6 +1,6 @@
 """The one place that opens the IREE runtime: a vmfb (+ .irpa parameters) on one device.
 
-Torch-free (numpy + iree.runtime). Two runtime traps handled here (iree-notes §3/§6):
+Torch-free (numpy + iree.runtime). Two runtime traps handled here (docs/export.md, IREE 3.13 traps/§6):
 
 * local-task worker threads have 128 KiB stacks; kernels compiled with the 1 MiB
   ``--iree-llvmcpu-stack-allocation-limit`` (top-k over bounded dynamic dims) crash the process

@@ -15,7 +15,7 @@ Checked on llvm-cpu bf16 exports with prefill and decode batch sizes 1 and 4: th
   cannot mean "all equally wrong".
 
 Why the Engine prefills one request per call (prefill_bs1 and prefill_bs4 compile into code that
-rounds differently): docs/batch-invariance.md, with the cost.
+rounds differently): docs/numerics.md, with the cost.
 
 The exports take minutes on 2 cores; they are cached under .cache/ keyed by the sources, the
 export arguments and the compiler version.

@@ -102,7 +102,7 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
-# ---- independent decoders (spec §4.3) --------------------------------------------------------
+# ---- independent decoders (docs/model.md, Quantization formats) --------------------------------------------------------
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                     dtype=torch.float64)
@@ -147,7 +147,7 @@ def round_e4m3_64(v: torch.Tensor) -> torch.Tensor:
 
 
 def act_qdq64(x: torch.Tensor) -> torch.Tensor:
-    """The reference kernels' activation quantization (spec §6), in float64."""
+    """The reference kernels' activation quantization (docs/model.md, Reference numerics), in float64."""
     k = x.shape[-1]
     nb = math.ceil(k / 128)
     xb = F.pad(x, (0, nb * 128 - k)).unflatten(-1, (nb, 128))
@@ -159,7 +159,7 @@ def act_qdq64(x: torch.Tensor) -> torch.Tensor:
 
 
 def official_inventory(cfg: ModelConfig) -> dict[str, tuple[str, list[int]]]:
-    """Name -> (safetensors dtype, shape) of a released checkpoint, from spec §4.2 (FP4 experts)."""
+    """Name -> (safetensors dtype, shape) of a released checkpoint, from docs/model.md, Checkpoint format (FP4 experts)."""
     d, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     H, D, G, ol, ql = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
     Hi, di, E, k = cfg.index_n_heads, cfg.index_head_dim, cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -313,7 +313,7 @@ def test_name_mappings_invert(official):
         "model.layers.3.self_attn.compressor.indexer.kv_norm.weight"
     assert transformers_name("layers.0.hc_attn_scale") == "model.layers.0.attn_hc.scale"
     assert transformers_name("layers.0.attn.wq_a.scale") == "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
-    # what transformers' save_pretrained writes (its reverse conversion), spec §4.5
+    # what transformers' save_pretrained writes (its reverse conversion), docs/model.md, Checkpoint format
     for saved, canon in {"model.layers.0.attn.norm.weight": "layers.0.attn.kv_norm.weight",
                          "model.embed_tokens.weight": "embed.weight", "head.weight": "head.weight",
                          "model.hc_head.hc_fn": "hc_head_fn", "model.norm.weight": "norm.weight",
@@ -347,7 +347,7 @@ def test_transformers_layout_round_trip(float_model, loaded, cfg, tmp_path):
 
 
 def test_base_style_fp8_experts_and_float32_scales(float_model, cfg, tmp_path):
-    """-Base checkpoints: FP8 experts, float32 block scales (spec §1.3) stay as stored."""
+    """-Base checkpoints: FP8 experts, float32 block scales (docs/model.md, Configuration) stay as stored."""
     base_cfg = cfg.replace(expert_dtype="fp8", quantization_config={**cfg.quantization_config, "scale_fmt": "fp32"})
     d = write_checkpoint(float_model, base_cfg, tmp_path / "base")
     h = header(d)

@@ -6,7 +6,7 @@ minutes on 2 cores, so the artifacts are cached under `.cache/` keyed by a hash 
 export sources and the export parameters (tests/conftest.py); delete `.cache/export-model-*` to force a fresh one.
 
 Tolerances (fp32, compiled vs eager): logits |diff| <= 2e-4 + 2e-4 |ref| (IREE reassociates fp32
-sums; measured maxima are in docs/export-notes.md), state the same; greedy tokens and every top-k
+sums; measured maxima are in docs/export.md), state the same; greedy tokens and every top-k
 index inside the compiled graph must be identical.
 
 Ties: the indexer's scores are sums of relu terms, so exact ties (often at 0.0) are common in the
@@ -191,7 +191,7 @@ def test_bs4_chunked_prefill_and_decode_at_different_positions(art):
 
 def test_topk_indices_inside_compiled_graph_match_eager(art):
     """Every top-k of the multi-layer graph (indexer + MoE gate, per layer) selects exactly the
-    indices eager selects (iree-notes §6 bug 6: torch.topk there returns right values, wrong
+    indices eager selects (docs/export.md, IREE 3.13 traps: torch.topk there returns right values, wrong
     indices), and differs from eager torch.topk only between exactly tied scores."""
     p = Pair(art)
     p.call("prefill_bs1", _tokens(1, 30, 4), [0], [30], [1])
@@ -358,7 +358,7 @@ def test_default_kernel_choices_per_target_set():
     with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
     every reduction). Sparse attention's declared export lowering is its kernel (the reference's cuda
     lowering made NaN rows at Flash dimensions), and so is grouped_linear's (wo_a: 1.6x a Flash-4 prefill on the
-    H200, session 23); explicit choices and '*' are left alone."""
+    H200, docs/performance.md); explicit choices and '*' are left alone."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import GATHER_COPY_LIMIT, _default_kernels, routed_f32_bytes
     from dsv4.export.model_kernels import resolve_choices
@@ -386,7 +386,7 @@ def test_default_kernel_choices_per_target_set():
 def test_batch_invariant_export_pads_the_gemm_rows():
     """--batch-invariant picks the kernel_rows16 form of every op that offers it (the dense GEMMs: the
     FP8 linears and f32_linear) and the routed experts' f32 form, and leaves sparse attention at its
-    kernel (bitwise across cuda batch sizes, docs/batch-invariance.md) and wo_a at the einsum that check ran
+    kernel (bitwise across cuda batch sizes, docs/numerics.md) and wo_a at the einsum that check ran
     with (grouped_linear's kernel is the default otherwise); an explicit --kernel choice wins."""
     from dsv4.export.compile import check_target
     from dsv4.export.exporter import _default_kernels, routed_f32_bytes
@@ -401,7 +401,7 @@ def test_batch_invariant_export_pads_the_gemm_rows():
     picked = _default_kernels({"f32_linear": "reference"}, [cuda], BIG, batch_invariant=True)
     assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
     # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,
-    # docs/batch-invariance.md), so the flag leaves an llvm-cpu export alone and refuses a mixed one
+    # docs/numerics.md), so the flag leaves an llvm-cpu export alone and refuses a mixed one
     cpu = check_target("llvm-cpu")
     assert _default_kernels(None, [cpu], BIG, batch_invariant=True) == _default_kernels(None, [cpu], BIG)
     with pytest.raises(ExportError, match="llvm-cpu and a GPU target"):

@@ -11,10 +11,10 @@ Tolerance: 1e-4 absolute on logits of magnitude ~3 (fp32 on both sides; measured
 order only). Two disagreements were found on the way, neither in model/model.py:
 - transformers applies YaRN's mscale (0.1 ln(factor) + 1) to cos/sin when `rope_parameters` is given
   already nested without `attention_factor` (it only defaults it to 1.0 when it builds the nesting
-  from a legacy config). The reference has no mscale (spec §2.2), so ModelConfig refuses such a
+  from a legacy config). The reference has no mscale (docs/model.md, Forward pass), so ModelConfig refuses such a
   config with a clear error; the configs here set attention_factor 1.0 as converted checkpoints do.
 - with 2 indexer heads many index scores are exactly 0 (ReLU), and top-k breaks those ties
-  differently (spec §7.11); 16 indexer heads make exact ties practically impossible.
+  differently (docs/model.md, Reference numerics); 16 indexer heads make exact ties practically impossible.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def e2m1(v: np.ndarray) -> np.ndarray:
 
 def block_qdq(x: np.ndarray, block: int, fp4: bool) -> np.ndarray:
     """Per-`block` quantize->dequantize of the last dim: s = 2^ceil(log2(max(amax, floor) / fmax)) with the
-    ratio in float32, round(x / s) on the grid, times s (spec §6's act_quant)."""
+    ratio in float32, round(x / s) on the grid, times s (docs/model.md, Reference numerics's act_quant)."""
     fmax, floor = (6.0, 6.0 * 2.0**-126) if fp4 else (448.0, 1e-4)
     xb = x.reshape(*x.shape[:-1], -1, block).astype(np.float64)
     amax = np.maximum(np.abs(xb).max(-1, keepdims=True), np.float32(floor))

@@ -115,7 +115,7 @@ def ref_freqs(rd, base, yarn):
 def test_yarn_table_known_values():
     yarn = ModelConfig.preset("flash").yarn
     rd, base = 64, 160000.0
-    # spec §2.2: corr(32)=15.45, corr(1)=24.71 -> pairs 0..15 unscaled, pairs >= 25 divided by 16
+    # docs/model.md, Forward pass: corr(32)=15.45, corr(1)=24.71 -> pairs 0..15 unscaled, pairs >= 25 divided by 16
     corr = lambda r: rd * math.log(65536 / (2 * math.pi * r)) / (2 * math.log(base))  # noqa: E731
     assert abs(corr(32) - 15.45) < 0.01 and abs(corr(1) - 24.71) < 0.01
     cos, sin = rope_table(rd, 300, base, yarn)

@@ -66,7 +66,7 @@ def expert_weights(fmt: str | None, E: int, o: int, i: int, g: torch.Generator):
 
 def formula_moe(x, weights, indices, r1, r2, r3, limit, quantized: bool) -> torch.Tensor:
     """float64 per token: sum over its distinct experts (a repeated expert's weights summed) of
-    w2(act(clamped SwiGLU(w1 x, w3 x) * weight)), written from spec §2.8 / §6."""
+    w2(act(clamped SwiGLU(w1 x, w3 x) * weight)), written from docs/model.md, Forward pass / §6."""
     qdq = _act_qdq64 if quantized else (lambda t: t.double())
     y = torch.zeros(x.shape, dtype=torch.float64)
     qx = qdq(x)
@@ -336,7 +336,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_two_stacked_routed_layers_compiled_llvm_cpu(tmp_path, fmt):
-    """Two routed MoE layers in one graph (the second routes on the first's output: iree-notes §6.6's
+    """Two routed MoE layers in one graph (the second routes on the first's output: docs/export.md, IREE 3.13 traps's
     failing shape), exported with a dynamic token count (grouped path) and two static ones (one
     expert per slot; grouped with a static bound), compiled for llvm-cpu: equal to eager (the
     all-experts reference) at several token counts, for MXFP4 and FP8 (+ E8M0 block scale) experts.
@@ -362,7 +362,7 @@ def test_two_stacked_routed_layers_compiled_llvm_cpu(tmp_path, fmt):
         def __init__(self):
             super().__init__()
             for n, t in zip(("w1", "s1", "w2", "s2", "w3", "s3"), [t for pair in ws for t in pair]):
-                # FP8 constants cannot be inlined into the module (iree-notes §5): held as bytes
+                # FP8 constants cannot be inlined into the module (docs/export.md, IREE 3.13 traps): held as bytes
                 self.register_buffer(n, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
 
         def forward(self, x, w, i):

@@ -181,7 +181,7 @@ class _Fp8Mod(torch.nn.Module):
 
 @pytest.mark.parametrize("fmt", [E4M3FN, E4M3FNUZ])
 def test_export_has_no_float8_conversion(fmt):
-    """The graph IREE receives only bitcasts float8 storage; no f8 -> float cast (iree-notes §5)."""
+    """The graph IREE receives only bitcasts float8 storage; no f8 -> float cast (docs/export.md, IREE 3.13 traps)."""
     g = torch.Generator().manual_seed(1)
     w = rand_fp8_bytes(64, 128, g).view(E4M3FN)
     s = torch.full((1, 1), 120, dtype=torch.uint8)

@@ -6,7 +6,7 @@ lowest value) is checked against a brute-force Python sort, so the reference (a 
 and the exported radix select are both held to an independent answer.
 
 The whole-graph test is issue 10's: IREE 3.13 once returned wrong top-k indices only inside a
-multi-layer graph with a dynamic token dim (iree-notes §6, bug 6), so top-k is tested there. A tiny
+multi-layer graph with a dynamic token dim (docs/export.md, IREE 3.13 traps), so top-k is tested there. A tiny
 transformers DeepseekV4 (index_topk 512, CSA ratio 4) is saved with save_pretrained, loaded by our
 loader, exported for llvm-cpu, and fed 2,560 tokens in 512-token prefill chunks, so the indexer
 really picks 512 of up to 640 visible compressed entries; every top-k of the last chunk (indexer and

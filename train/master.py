@@ -19,7 +19,7 @@ __all__ = ["MASTER_FILE", "master_state", "master_model", "cast_model", "save_ma
 
 MASTER_FILE = "master-bf16.safetensors"
 
-# Small fp32 tensors the official checkpoint also keeps in fp32 (spec §4.2); everything else
+# Small fp32 tensors the official checkpoint also keeps in fp32 (docs/model.md, Checkpoint format); everything else
 # floating-point is stored bf16 in the master.
 _F32_LEAVES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", "ape", "bias")

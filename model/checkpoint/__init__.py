@@ -7,9 +7,9 @@ quantizers are `dsv4.model.quant.quantize`, the transformers form of config.json
 
 Loading (`load_checkpoint`, `load_into`) reads `config.json` plus `model.safetensors` or
 `model.safetensors.index.json` + shards, in any of three naming schemes, all mapped onto the one
-canonical scheme (the official release names, spec §4.2):
+canonical scheme (the official release names, docs/model.md, Checkpoint format):
   * official: `layers.{i}.attn.wq_a.weight`, per-expert `layers.{i}.ffn.experts.{e}.w1.weight`, ...;
-  * transformers (`deepseek_v4`, spec §4.5): `model.layers.{i}.self_attn.q_a_proj.weight`, stacked
+  * transformers (`deepseek_v4`, docs/model.md, Checkpoint format): `model.layers.{i}.self_attn.q_a_proj.weight`, stacked
     `mlp.experts.gate_up_proj` [E, 2I, d] = cat(w1, w3), `...weight_scale_inv` for FP8 scales, ...;
   * what transformers' `save_pretrained` writes: its reverse conversion gives official names with a
     `model.` prefix, except that `embed_tokens`, `hc_head.hc_*` keep transformers names, the head is

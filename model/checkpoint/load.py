@@ -367,7 +367,7 @@ def _ignore_mtp(n_mtp: int, skip_mtp: bool) -> Callable[[str], bool]:
         m = re.match(r"^mtp\.(\d+)\.(.*)$", name)
         if m is None:
             return False
-        # convert.py drops these if present: MTP shares the model's embed and head (spec §2.10)
+        # convert.py drops these if present: MTP shares the model's embed and head (docs/model.md, Forward pass)
         return m.group(2) in ("embed.weight", "head.weight") or (skip_mtp and int(m.group(1)) >= n_mtp)
 
     return ignore

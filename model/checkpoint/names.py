@@ -1,4 +1,4 @@
-"""Checkpoint tensor names: the official names (spec §4.2) are canonical; transformers'
+"""Checkpoint tensor names: the official names (docs/model.md, Checkpoint format) are canonical; transformers'
 `deepseek_v4` names and what its `save_pretrained` writes map onto them, and back."""
 
 from __future__ import annotations

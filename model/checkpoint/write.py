@@ -30,7 +30,7 @@ __all__ = ["write_checkpoint", "transformers_state_dict", "unquantized_config", 
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
-# what the official checkpoint holds for each model tensor (spec §4.2): FP8 + scale, bf16, fp32, int64
+# what the official checkpoint holds for each model tensor (docs/model.md, Checkpoint format): FP8 + scale, bf16, fp32, int64
 _FP8_LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                          r"|e_proj|h_proj)\.weight$")
 _BF16 = re.compile(r"^(embed|head)\.weight$|norm\.weight$|\.compressor\.(wkv|wgate)\.weight$"

@@ -1,9 +1,9 @@
-"""Low-precision encodings: the one module that knows how bytes map to numbers (spec §4.3, §4.4, §6).
+"""Low-precision encodings: the one module that knows how bytes map to numbers (docs/model.md, Quantization formats and Reference numerics).
 
 Formats handled here:
   * E2M1 (FP4) codes, packed two per byte, LOW nibble = element 2i (the MXFP4 expert checkpoint layout);
   * E8M0 scales (pure exponent, value 2^(byte-127), 0xFF = NaN), stored as torch.uint8 because
-    iree-turbine cannot take float8_e8m0fnu parameters (iree-notes §5);
+    iree-turbine cannot take float8_e8m0fnu parameters (docs/export.md, IREE 3.13 traps);
   * FP8 e4m3fn (OCP: bias 7, max 448, 0x7F/0xFF NaN, 0x80 = -0) and e4m3fnuz (gfx942: bias 8, max 240,
     0x80 = NaN, no -0).
 
@@ -356,7 +356,7 @@ def _check_block_scale_shape(scale: torch.Tensor, lead: tuple[int, ...], n: int,
 
 def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """FP8 weight [..., N, K] (e4m3fn or e4m3fnuz, per its dtype) x block scale [..., ceil(N/b), ceil(K/b)]
-    (E8M0 uint8 or float32) -> float32 [..., N, K]: W[o,k] = fp8[o,k] * scale[o//b, k//b] (spec §4.3).
+    (E8M0 uint8 or float32) -> float32 [..., N, K]: W[o,k] = fp8[o,k] * scale[o//b, k//b] (docs/model.md, Quantization formats).
     Leading dims (stacked experts) carry their own scales."""
     if weight.dtype not in FP8_FORMATS:
         _check_fp8(weight, E4M3FN, "dequant_fp8_block")  # raises with the right message
@@ -369,7 +369,7 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 packed [..., N, K/2] (uint8/int8) + E8M0 scale [..., N, K/32] -> float32 [..., N, K] (spec §4.3)."""
+    """MXFP4 packed [..., N, K/2] (uint8/int8) + E8M0 scale [..., N, K/32] -> float32 [..., N, K] (docs/model.md, Quantization formats)."""
     if packed.dtype not in _BYTE_DTYPES:
         raise FormatError(f"dequant_mxfp4: packed weight must be uint8/int8, got {packed.dtype}")
     if packed.dim() < 2:
@@ -387,7 +387,7 @@ def mxfp4_to_fp8(
     packed: torch.Tensor, scale: torch.Tensor, *, block: int = FP8_BLOCK, strict: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 [N, K/2] + E8M0 [N, K/32] -> e4m3fn [N, K] + E8M0 uint8 [ceil(N/128), ceil(K/128)]
-    (convert.py --expert-dtype fp8, spec §4.4 item 4).
+    (convert.py --expert-dtype fp8, docs/model.md, Quantization formats).
 
     Per 128x128 block: new scale byte = max(sub-scale bytes) - 6 (i.e. max/2^6, clamped at byte 0),
     values = fp4 * 2^(sub - new). The shift d = sub - new is <= 6, so |values| <= 6 * 2^6 = 384 <= 448.

@@ -2,7 +2,7 @@
 
 DeepSeek-V4 was trained with these in the loop (QAT), so the released model runs them at inference:
 FP8 e4m3 on the nope dims of window/compressed KV (block 64) and Hadamard + FP4 e2m1 on the
-indexer's queries and keys (block 32), both with power-of-two (E8M0) block scales (spec §6).
+indexer's queries and keys (block 32), both with power-of-two (E8M0) block scales (docs/model.md, Reference numerics).
 
 The simulations themselves (rounding, block scales, the Walsh-Hadamard transform) are kernel hooks
 declared in model/kernels/qdq.py (`fp8_qdq`, `fp4_qdq`, `hadamard`: eager runs their torch
