@@ -148,10 +148,13 @@ async def _level(base: str, model: str, concurrency: int, n: int, prompts: list[
         errors=[r.error for r in rs if not r.ok])
 
 
-def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32, id_limit: int = 1000,
+def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32,
+              id_limit: int | None = None,
               api_key: str | None = None, model: str | None = None, seed: int = 0,
               timeout: float = 600.0) -> list[LevelResult]:
-    """One LevelResult per concurrency level (a warm-up request runs first)."""
+    """One LevelResult per concurrency level (a warm-up request runs first). Prompt ids are drawn
+    from [3, id_limit); id_limit None: the served model's vocabulary (``vocab_size`` in
+    /v1/models, as dsv4 serve reports it), else 1000 for servers that do not report it."""
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -161,7 +164,12 @@ def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: in
     if r.status_code != 200:
         raise RuntimeError(f"{base}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     models = r.json()["data"]
-    model = model or models[0]["id"]
+    entry = next((m for m in models if m["id"] == model), models[0]) if model else models[0]
+    model = model or entry["id"]
+    if id_limit is None:
+        id_limit = int(entry.get("vocab_size") or 1000)
+    if id_limit < 4:
+        raise ValueError(f"the prompt ids need an id limit of at least 4, got {id_limit}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, id_limit) for _ in range(prompt_tokens)] for _ in range(max(requests, 1))]
 

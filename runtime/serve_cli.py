@@ -32,8 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .async_engine import AsyncEngine
-        from .server import build_app
+        from .serve import AsyncEngine, build_app
     except ModuleNotFoundError as e:
         return _need_extra("serve", e)
     from .engine import Engine, EngineError
@@ -71,7 +70,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         return _fail("bench serve", f"--concurrency expects comma-separated integers, got {args.concurrency!r}")
-    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.id_limit < 4:
+    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or (args.id_limit is not None and args.id_limit < 4):
         return _fail("bench serve", "--concurrency levels, --requests and --max-tokens must be positive, --id-limit at least 4")
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     try:
@@ -118,7 +117,8 @@ def add_parsers(subparsers: Any) -> None:
     bs.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (ignore_eos)")
     bs.add_argument("--prompt-tokens", type=int, default=32,
                     help="prompt length in tokens (random ids in [3, --id-limit), sent to /v1/completions)")
-    bs.add_argument("--id-limit", type=int, default=1000, help="prompt token ids are below this (<= the vocabulary)")
+    bs.add_argument("--id-limit", type=int, default=None,
+                    help="prompt token ids are below this (default: the vocabulary the server reports in /v1/models)")
     bs.add_argument("--model", help="model id (default: the server's first /v1/models entry)")
     bs.add_argument("--api-key", help="API key (default: $DSV4_API_KEY)")
     bs.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
