@@ -375,7 +375,11 @@ class OpenAIServer:
     async def health(self, request: Request) -> Response:
         if not self.aeng.alive:
             return JSONResponse({"status": "engine loop not running"}, status_code=503)
-        return JSONResponse({"status": "ok", "running": self.aeng.num_running, "waiting": self.aeng.num_waiting})
+        body = {"status": "ok", "running": self.aeng.num_running, "waiting": self.aeng.num_waiting}
+        slots = getattr(self.aeng.engine, "slots", None)  # the Engine's allocator: a leaked slot shows here
+        if slots is not None:
+            body["slots_free"] = slots.n_free
+        return JSONResponse(body)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
