@@ -472,6 +472,21 @@ def test_hangup_frees_the_slot(server, client) -> None:
         - before.get('vllm:request_success_total{finished_reason="abort"}', 0) == 2
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 2 * n - 8
     assert _greedy(client, PROMPTS[0]) == _greedy(client, PROMPTS[0])  # and the next ones are served
+    assert "Traceback" not in server.log.read_text(), "a hang-up logged a traceback"
+
+
+def test_huge_body_is_413_while_health_answers(server) -> None:
+    """A 20 MB prompt is refused with 413 (before it is parsed or tokenized) and /health stays quick."""
+    big = json.dumps({"model": MODEL, "prompt": "a" * 20_000_000}).encode()
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(server.post, "/v1/completions", content=big)
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        h = httpx.get(server.base + "/health", timeout=10)
+        waited = time.perf_counter() - t0
+        r = fut.result()
+    assert h.status_code == 200 and waited < 1.0, waited
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
 def test_overload_answers_503_with_retry_after(server) -> None:
