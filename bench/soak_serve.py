@@ -94,6 +94,7 @@ class Soak:
         self.ttft: list[float] = []
         self.failures: list[str] = []
         self.reference: dict[str, list[str]] = {}
+        self.health_during_huge: list[float] = []  # /health latency while a 20 MB body is sent
 
     # ---- one request -----------------------------------------------------------------------
     async def send(self, client: httpx.AsyncClient, path: str, body: dict | bytes, stream: bool,
@@ -201,7 +202,16 @@ class Soak:
             path, body, want = c, json.dumps({**ok, "prompt": "a" * 20_000_000}).encode(), 413
         else:
             path, body, want = self.rng.choice(cases)
-        status, got = await self.send(client, path, body, False)
+        if want == 413:  # the server must stay responsive while a huge body arrives
+            async def health() -> float:
+                await asyncio.sleep(0.02)
+                t0 = time.perf_counter()
+                await client.get(self.base + "/health")
+                return time.perf_counter() - t0
+            (status, got), waited = await asyncio.gather(self.send(client, path, body, False), health())
+            self.health_during_huge.append(waited)
+        else:
+            status, got = await self.send(client, path, body, False)
         self.outcomes[str(status)] += 1
         if status != want or "error" not in (got or {}):
             self.failures.append(f"bad request {str(body)[:80]} got {status} (wanted {want}): {str(got)[:200]}")
@@ -334,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         soak.failures.append(f"after the soak /health says {h} ({n_slots} slots)")
     if rc != 0:
         soak.failures.append(f"the server exited with {rc} after SIGTERM")
+    if soak.health_during_huge and max(soak.health_during_huge) >= 1.0:
+        soak.failures.append(f"/health took {max(soak.health_during_huge):.2f} s while a 20 MB body arrived")
 
     summary = {"requests": sent, "planned": args.requests, "duration_s": round(duration, 1),
                "by_kind": dict(soak.kinds), "answers": dict(sorted(soak.outcomes.items())),
                "metrics_finished": finished, "metrics_rejected": rejected,
                "slots_free": f"{h.get('slots_free')}/{n_slots}", "tracebacks": tracebacks, "error_lines": len(errors),
                "ttft_p50_ms": round(1e3 * _pct(soak.ttft, 0.5), 1), "ttft_p99_ms": round(1e3 * _pct(soak.ttft, 0.99), 1),
-               "streams_timed": len(soak.ttft), "exit_status": rc, "failures": soak.failures[:20],
+               "streams_timed": len(soak.ttft),
+               "health_during_20mb_max_ms": round(1e3 * max(soak.health_during_huge, default=float("nan")), 1), "exit_status": rc, "failures": soak.failures[:20],
                "log": str(log_path)}
     print(f"requests {sent} in {duration:.1f} s (concurrency {args.concurrency}, max queue {args.max_queue}); "
           f"answers {dict(sorted(soak.outcomes.items()))}")
