@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, ValidationInfo,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
                       field_validator)
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
@@ -87,14 +87,14 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("n", "best_of", check_fields=False)
     @classmethod
-    def _one(cls, v: int | None, info: ValidationInfo) -> int | None:
+    def _one(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise _invalid("only 1 is supported")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", check_fields=False)
     @classmethod
-    def _off(cls, v: Any, info: ValidationInfo) -> Any:
+    def _off(cls, v: Any) -> Any:
         if v:  # set to anything but its default (0, {}, false, "")
             raise _invalid("not supported by this server")
         return v
