@@ -1,12 +1,13 @@
 """Soak `dsv4 serve`: a bounded burst of mixed, misbehaving clients, then check the server is whole.
 
 Starts `dsv4 serve EXPORT` on 127.0.0.1 (a free port; loopback only), measures a few greedy
-prompts alone, then sends --requests requests (at most --concurrency at once, stopping early
-after --max-seconds) drawn at random (--seed) from: greedy prompts (streamed or not; their tokens
+prompts alone, then sends --requests requests (arriving at --rate a second, at most --concurrency
+at once, no new ones after --max-seconds; a 503 is retried after its Retry-After, as the openai
+client does) drawn at random (--seed) from: greedy prompts (streamed or not; their tokens
 must equal the ones measured alone), sampled requests with stop strings, chat requests, clients
 that hang up mid-request (streaming or not), and bad requests (bad JSON, missing or unknown model,
-bad fields, a context overrun, a 20 MB body). With a small --max-queue some requests meet a full
-queue (503). Afterwards:
+bad fields, a context overrun, a 20 MB body). With a small --max-queue bursts meet a full queue
+(503). Afterwards:
 
 * every slot is free (/health: nothing running or waiting, the Engine's allocator all free) and
   the greedy prompts run concurrently still give their solo tokens;
@@ -19,7 +20,7 @@ queue (503). Afterwards:
 Prints the figures (requests, answers by status, hang-ups, slots free, tracebacks, client-side
 TTFT p50/p99 of the streamed requests) and one JSON line; exits 1 if a check fails.
 
-    python bench/soak_serve.py OUT [--requests 1000] [--concurrency 16] [--max-queue 8]
+    python bench/soak_serve.py OUT [--requests 1000] [--rate 5] [--concurrency 16] [--max-queue 2]
 
 OUT: an export with a tokenizer (stop strings and chat need one), e.g.
 `dsv4 export --target llvm-cpu --batch-sizes 1,4 --max-seq-len 256 -o OUT`.
@@ -50,6 +51,7 @@ GREEDY_PROMPTS = ["The list data type has some more methods.", "A function defin
                   "A set is an unordered collection", "Dictionaries are indexed by keys", "Looping techniques",
                   "The del statement", "Strings can be concatenated"]
 GREEDY_TOKENS = 12
+MAX_ATTEMPTS = 4  # a request that meets a full queue is sent again after Retry-After, at most this often
 
 
 def _free_port() -> int:
@@ -94,6 +96,7 @@ class Soak:
         self.ttft: list[float] = []
         self.failures: list[str] = []
         self.reference: dict[str, list[str]] = {}
+        self.retries = 0  # requests sent again after a 503
         self.health_during_huge: list[float] = []  # /health latency while a 20 MB body is sent
 
     # ---- one request -----------------------------------------------------------------------
@@ -101,12 +104,14 @@ class Soak:
                    hang_up_after: float | None = None) -> tuple[int | None, dict | list | None]:
         """(status, body or the list of streamed events); status None: we hung up first."""
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        retry_after: list[str | None] = [None]
 
         async def go() -> tuple[int, dict | list]:
             t0 = time.perf_counter()
             async with client.stream("POST", self.base + path, content=content,
                                      headers={"content-type": "application/json"}) as r:
                 status[0] = r.status_code
+                retry_after[0] = r.headers.get("retry-after")
                 if r.status_code != 200 or not stream:
                     return r.status_code, json.loads(await r.aread())
                 events, first = [], None
@@ -126,13 +131,22 @@ class Soak:
                     self.ttft.append(first)
                 return r.status_code, events
 
-        status: list[int | None] = [None]
-        try:
-            if hang_up_after is None:
-                return await go()
-            return await asyncio.wait_for(go(), hang_up_after)
-        except asyncio.TimeoutError:  # we hung up; the status if the server had answered already
-            return status[0], None
+        for attempt in range(MAX_ATTEMPTS):
+            status: list[int | None] = [None]
+            try:
+                if hang_up_after is None:
+                    status[0], got = await go()
+                else:
+                    status[0], got = await asyncio.wait_for(go(), hang_up_after)
+            except asyncio.TimeoutError:  # we hung up; the status if the server had answered already
+                return status[0], None
+            if status[0] != 503 or attempt == MAX_ATTEMPTS - 1:
+                return status[0], got
+            # a full queue: wait as told, then try again (what the openai client does)
+            self.outcomes["503"] += 1
+            self.retries += 1
+            await asyncio.sleep(float(retry_after[0] or 1))
+        raise AssertionError("unreachable")
 
     @staticmethod
     def text_of(events: list) -> str:
@@ -238,12 +252,17 @@ class Soak:
 
             async def one(fn) -> None:
                 async with sem:
-                    if time.perf_counter() - t0 > self.args.max_seconds:
-                        return
                     self.kinds[fn.__name__] += 1
                     await fn(client)
 
-            await asyncio.gather(*(one(fn) for fn in plan))
+            # arrivals at --rate a second on average (exponential gaps), at most --concurrency in flight
+            tasks = []
+            for fn in plan:
+                if time.perf_counter() - t0 > self.args.max_seconds:
+                    break
+                tasks.append(asyncio.create_task(one(fn)))
+                await asyncio.sleep(self.rng.expovariate(self.args.rate))
+            await asyncio.gather(*tasks)
         return time.perf_counter() - t0
 
     async def after(self) -> dict:
@@ -274,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export_dir", metavar="OUT", help="export directory (with a tokenizer)")
     ap.add_argument("--requests", type=int, default=1000, help="requests to send (default 1000)")
+    ap.add_argument("--rate", type=float, default=5.0,
+                    help="new requests a second on average (default 5: 1,000 requests take 3-4 minutes)")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (default 16)")
-    ap.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue (default 8: some 503s)")
+    ap.add_argument("--max-queue", type=int, default=2, help="the server's --max-queue (default 2: bursts meet 503)")
     ap.add_argument("--max-seconds", type=float, default=600.0,
                     help="stop sending new requests after this many seconds (default 600)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
@@ -323,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     rejected = {k[k.index('"') + 1:-2]: v for k, v in m.items() if k.startswith("dsv4:requests_rejected_total")}
     # the measuring requests (alone and together) are generation requests too
     counted = sum(finished.values()) + sum(rejected.values())
-    expected = sent + 2 * len(GREEDY_PROMPTS)
+    expected = sent + soak.retries + 2 * len(GREEDY_PROMPTS)
     if counted != expected:
         soak.failures.append(f"/metrics counts {counted} generation requests, {expected} were sent")
     for status in ("400", "404", "413", "503"):
@@ -347,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if soak.health_during_huge and max(soak.health_during_huge) >= 1.0:
         soak.failures.append(f"/health took {max(soak.health_during_huge):.2f} s while a 20 MB body arrived")
 
-    summary = {"requests": sent, "planned": args.requests, "duration_s": round(duration, 1),
+    summary = {"requests": sent, "planned": args.requests, "resent_after_503": soak.retries, "duration_s": round(duration, 1),
                "by_kind": dict(soak.kinds), "answers": dict(sorted(soak.outcomes.items())),
                "metrics_finished": finished, "metrics_rejected": rejected,
                "slots_free": f"{h.get('slots_free')}/{n_slots}", "tracebacks": tracebacks, "error_lines": len(errors),
@@ -355,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                "streams_timed": len(soak.ttft),
                "health_during_20mb_max_ms": round(1e3 * max(soak.health_during_huge, default=float("nan")), 1), "exit_status": rc, "failures": soak.failures[:20],
                "log": str(log_path)}
-    print(f"requests {sent} in {duration:.1f} s (concurrency {args.concurrency}, max queue {args.max_queue}); "
+    print(f"requests {sent} (+{soak.retries} sent again after a 503) in {duration:.1f} s (rate {args.rate}/s, "
+          f"concurrency {args.concurrency}, max queue {args.max_queue}); "
           f"answers {dict(sorted(soak.outcomes.items()))}")
     print(f"slots free {summary['slots_free']}, tracebacks {tracebacks}, ERROR lines {len(errors)}, "
           f"TTFT p50 {summary['ttft_p50_ms']} ms, p99 {summary['ttft_p99_ms']} ms over {len(soak.ttft)} streams")
