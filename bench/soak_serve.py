@@ -277,8 +277,11 @@ class Soak:
             async def one(p: str) -> list[str]:
                 body = {"model": MODEL, "prompt": p, "max_tokens": GREEDY_TOKENS, "temperature": 0,
                         "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-                r = await client.post(self.base + "/v1/completions", json=body)
-                return r.json()["choices"][0]["logprobs"]["tokens"]
+                status, got = await self.send(client, "/v1/completions", body, False)  # 503s are retried
+                if status != 200:
+                    self.failures.append(f"after the soak, {p!r} got {status}: {str(got)[:200]}")
+                    return []
+                return got["choices"][0]["logprobs"]["tokens"]
             together = await asyncio.gather(*(one(p) for p in GREEDY_PROMPTS))
             for p, toks in zip(GREEDY_PROMPTS, together):
                 if toks != self.reference[p]:
