@@ -155,10 +155,13 @@ async def _level(base: str, model: str, concurrency: int, n: int, prompts: list[
         errors=[r.error for r in rs if not r.ok])
 
 
-def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32, id_limit: int = 1000,
+def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: int = 64, prompt_tokens: int = 32,
+              id_limit: int | None = None,
               api_key: str | None = None, model: str | None = None, seed: int = 0,
               timeout: float = 600.0) -> list[LevelResult]:
-    """One LevelResult per concurrency level (a warm-up request runs first)."""
+    """One LevelResult per concurrency level (a warm-up request runs first). Prompt ids are drawn
+    from [3, id_limit); id_limit None: the served model's vocabulary (``vocab_size`` in
+    /v1/models, as dsv4 serve reports it), else 1000 for servers that do not report it."""
     import httpx
 
     base = url.rstrip("/").removesuffix("/v1")
@@ -170,7 +173,12 @@ def run_bench(url: str, concurrency: list[int], requests: int, *, max_tokens: in
     if r.status_code != 200:
         raise RuntimeError(f"{base}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     models = r.json()["data"]
-    model = model or models[0]["id"]
+    entry = next((m for m in models if m["id"] == model), models[0]) if model else models[0]
+    model = model or entry["id"]
+    if id_limit is None:
+        id_limit = int(entry.get("vocab_size") or 1000)
+    if id_limit < 4:
+        raise ValueError(f"the prompt ids need an id limit of at least 4, got {id_limit}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, id_limit) for _ in range(prompt_tokens)] for _ in range(max(requests, 1))]
 
@@ -204,32 +212,34 @@ def format_table(results: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `dsv4 bench serve`; the defaults are run_bench's own, so they live in one place."""
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `dsv4 bench serve` (the CLI tree adds them to its subcommand); the defaults are
+    run_bench's own, so they live in one place."""
     d = {k: v.default for k, v in inspect.signature(run_bench).parameters.items()}
-    p = argparse.ArgumentParser(prog="dsv4 bench serve", description=__doc__.split("\n\n")[0],
-                                epilog="Example: dsv4 serve OUT & then dsv4 bench serve http://127.0.0.1:8000")
     p.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)")
-    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level (default 64)")
-    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
-                   help=f"tokens each request generates, ignore_eos (default {d['max_tokens']})")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="tokens each request generates (ignore_eos)")
     p.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"],
-                   help=f"prompt length in tokens, random ids in [3, --id-limit) (default {d['prompt_tokens']})")
+                   help="prompt length in tokens (random ids in [3, --id-limit), sent to /v1/completions)")
     p.add_argument("--id-limit", type=int, default=d["id_limit"],
-                   help=f"prompt token ids are below this, <= the vocabulary (default {d['id_limit']})")
+                   help="prompt token ids are below this (default: the vocabulary the server reports in /v1/models)")
     p.add_argument("--model", help="model id (default: the server's first /v1/models entry)")
     p.add_argument("--api-key", help="API key (default: $DSV4_API_KEY)")
     p.add_argument("--seed", type=int, default=d["seed"], help="seed of the random prompts")
-    p.add_argument("--timeout", type=float, default=d["timeout"],
-                   help=f"seconds one request may take (default {d['timeout']:g})")
+    p.add_argument("--timeout", type=float, default=d["timeout"], help="seconds one request may take")
     p.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
+    p.set_defaults(fn=run_from_args)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dsv4.bench.serve_load URL ...`: the load of `dsv4 bench serve`, a table (or JSON)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+DESCRIPTION = ("Send --requests completions at each --concurrency level to a running `dsv4 serve` (or any "
+               "OpenAI-compatible server) and print TTFT, TPOT, ITL, latency and throughput per level.")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the load the parsed options describe; print a table (or JSON). Exit status: 0, 1 when a
+    request failed, 2 on bad options or an unreachable server."""
 
     def fail(msg: str) -> int:
         print(f"dsv4 bench serve: error: {msg}", file=sys.stderr)
@@ -239,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         return fail(f"--concurrency expects comma-separated integers, got {args.concurrency!r}")
-    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.id_limit < 4:
+    if (not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1
+            or (args.id_limit is not None and args.id_limit < 4)):
         return fail("--concurrency levels, --requests and --max-tokens must be positive, --id-limit at least 4")
     try:
         results = run_bench(args.url, levels, args.requests, max_tokens=args.max_tokens,
@@ -252,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     print(json.dumps([r.to_json() for r in results], indent=1) if args.json else format_table(results))
     return 0 if all(r.failed == 0 for r in results) else 1  # a failed request fails the run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsv4.bench.serve_load URL ...`, the same as `dsv4 bench serve URL ...`."""
+    p = argparse.ArgumentParser(prog="dsv4 bench serve", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    args = add_arguments(p).parse_args(sys.argv[1:] if argv is None else argv)
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

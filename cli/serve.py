@@ -45,6 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         return _fail("serve", f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        return _fail("serve", f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
@@ -52,7 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except EngineError as e:
         return _fail("serve", str(e))
     name = args.served_model_name or Path(args.export_dir).resolve().name
-    app = build_app(AsyncEngine(eng, max_queue=args.max_queue), name, api_key=api_key)
+    app = build_app(AsyncEngine(eng, max_queue=args.max_queue), name, api_key=api_key,
+                    max_body_bytes=args.max_body_bytes)
     print(f"dsv4 serve: {name} ({eng.config.n_slots} slots, context {eng.config.max_seq_len}, "
           f"{eng.target} on {args.device}) at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
@@ -81,6 +84,9 @@ def add_parser(subparsers: Any, name: str = "serve") -> argparse.ArgumentParser:
                    help="devices of a multi-device export (default: the export's count)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond that the answer is 503 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body accepted, larger ones get 413 (default: 1 MiB + 32 bytes per "
+                        "context position)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSV4_API_KEY)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the export directory's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,

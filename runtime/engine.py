@@ -44,7 +44,7 @@ from dsv4.contract.artifact import ExportConfig, target_for_device
 from .batching import SlotAllocator, plan_calls
 from dsv4.contract.errors import ArtifactError, EngineError, RequestError
 from .module import IreeModule, PipelineModule
-from .sampling import SamplingParams, make_rng, sample_token, token_logprobs
+from .sampling import SamplingParams, check_context, make_rng, sample_token, token_logprobs
 from .text import IncrementalDecoder, StopMatcher, TextCodec
 
 __all__ = ["Engine", "GenerationResult", "StreamChunk", "ScoreResult", "SamplingParams",
@@ -261,14 +261,10 @@ class Engine:
                                f"{self.config.max_seq_len} of this export")
 
     def check_length(self, n_prompt: int, max_new_tokens: int) -> None:
-        """RequestError unless a prompt of `n_prompt` tokens plus `max_new_tokens` fits the context:
-        the one rule for oversized requests (`dsv4 generate` and the server's 400
-        context_length_exceeded). `submit` itself stops such a request at the context instead."""
-        n, ctx = int(max_new_tokens), self.config.max_seq_len
-        if n < 1 or n_prompt + n > ctx:
-            raise RequestError(f"this model's context is {ctx} tokens, but {n_prompt + n} were requested "
-                               f"({n_prompt} in the prompt, {n} to generate); shorten the prompt or ask for "
-                               "fewer new tokens")
+        """RequestError unless a prompt of `n_prompt` tokens plus `max_new_tokens` fits this export's
+        context: `check_context`, the one rule for oversized requests (`dsv4 generate` and the server's
+        400 context_length_exceeded). `submit` itself stops such a request at the context instead."""
+        check_context(n_prompt, int(max_new_tokens), self.config.max_seq_len)
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                add_bos: bool = True, **kw: Any) -> int:

@@ -20,9 +20,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sampling_distribution", "sample_token", "make_rng", "token_logprobs", "MAX_LOGPROBS"]
+from dsv4.contract.errors import RequestError
+
+__all__ = ["SamplingParams", "SamplingParamsError", "check_context", "sampling_distribution", "sample_token", "make_rng", "token_logprobs", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+
+
+class SamplingParamsError(RequestError, ValueError):
+    """A SamplingParams field out of range: a RequestError (the runtime's documented error type);
+    also a ValueError, so callers that check arguments with ``except ValueError`` keep working."""
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> None:
+    """The one rule for oversized requests (the CLI and the server both apply it): the prompt and
+    every token asked for must fit the export's context, else RequestError. A request is refused
+    up front rather than stopped early at max_seq_len, so asking for more than can be generated
+    is never silently cut short."""
+    if max_new_tokens < 1 or prompt_tokens + max_new_tokens > max_seq_len:
+        raise RequestError(f"this model's context is {max_seq_len} tokens, but {prompt_tokens + max_new_tokens} "
+                           f"were requested ({prompt_tokens} in the prompt, {max_new_tokens} to generate); "
+                           "shorten the prompt or ask for fewer tokens")
 
 
 @dataclass(frozen=True)
@@ -52,21 +70,21 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field (callers turn it into their own error type)."""
+        """Raise SamplingParamsError naming the bad field."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+            raise SamplingParamsError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+            raise SamplingParamsError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise SamplingParamsError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+            raise SamplingParamsError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise SamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -35,7 +35,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from dsv4.runtime.async_engine import AsyncEngine, Overloaded  # noqa: E402
+from dsv4.runtime.serve.async_engine import AsyncEngine, Overloaded  # noqa: E402
 from dsv4.runtime.engine import EngineError, StreamChunk  # noqa: E402
 from dsv4.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -354,7 +354,6 @@ def _bad_cases(max_len: int, vocab: int) -> list[tuple[str, object, str]]:
     return [
         (c, b"{not json", "invalid_json"),
         (c, b"[1, 2]", "invalid_json"),
-        (c, {**ok, "model": "gpt-4"}, "model_not_found"),
         (c, {**ok, "max_tokens": 0}, "invalid_value"),
         (c, {**ok, "max_tokens": -3}, "invalid_value"),
         (c, {**ok, "max_tokens": "ten"}, "invalid_value"),
@@ -387,6 +386,8 @@ def test_bad_requests_get_400(server) -> None:
         assert r.status_code == 400, (body, r.status_code, r.text)
         err = r.json()["error"]
         assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"], (body, err)
+    r = server.post("/v1/completions", {"model": "gpt-4", "prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert _healthy_and_idle(server)
 
 
@@ -428,6 +429,21 @@ def test_hangup_frees_the_slot(server, client) -> None:
         - before.get('vllm:request_success_total{finished_reason="abort"}', 0) == 2
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 2 * n - 8
     assert _greedy(client, PROMPTS[0]) == _greedy(client, PROMPTS[0])  # and the next ones are served
+    assert "Traceback" not in server.log.read_text(), "a hang-up logged a traceback"
+
+
+def test_huge_body_is_413_while_health_answers(server) -> None:
+    """A 20 MB prompt is refused with 413 (before it is parsed or tokenized) and /health stays quick."""
+    big = json.dumps({"model": MODEL, "prompt": "a" * 20_000_000}).encode()
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(server.post, "/v1/completions", content=big)
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        h = httpx.get(server.base + "/health", timeout=10)
+        waited = time.perf_counter() - t0
+        r = fut.result()
+    assert h.status_code == 200 and waited < 1.0, waited
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
 def test_overload_answers_503_with_retry_after(server) -> None:
@@ -531,14 +547,14 @@ sys.meta_path.insert(0, Block())
 
 
 def test_serving_imports_no_torch() -> None:
-    code = ("BLOCKED = ('torch',)" + _BLOCK + "import dsv4.runtime.server, dsv4.runtime.async_engine, "
-            "dsv4.bench.serve_load, dsv4.cli.serve, dsv4.cli.bench_serve")
+    code = ("BLOCKED = ('torch',)" + _BLOCK + "import dsv4.runtime.serve, dsv4.runtime.serve.app, "
+            "dsv4.runtime.serve.async_engine, dsv4.bench.serve_load, dsv4.cli.serve, dsv4.cli.bench_serve")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.parametrize("cmd", [["serve", "/nonexistent"], ["bench", "serve", "http://127.0.0.1:9"]])
 def test_serve_commands_without_the_serve_extra_say_what_is_missing(cmd) -> None:
-    code = ("BLOCKED = ('starlette', 'uvicorn', 'httpx', 'prometheus_client')" + _BLOCK
+    code = ("BLOCKED = ('starlette', 'uvicorn', 'httpx', 'prometheus_client', 'pydantic')" + _BLOCK
             + f"from dsv4.cli import main; sys.exit(main({cmd!r}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "needs the 'serve' extra" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine, EngineError, RequestError, StreamChunk
-from .sampling import SamplingParams
+from ..engine import Engine, EngineError, RequestError, StreamChunk
+from ..sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "Chunk", "Overloaded", "RequestHandle", "RequestRecord"]
 
@@ -155,6 +155,7 @@ class AsyncEngine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-engine")
         self._waiting: deque[RequestHandle] = deque()
         self._running: dict[int, RequestHandle] = {}  # engine request id -> handle
+        self._admitting: list[RequestHandle] = []  # taken from _waiting by the tick in flight
         self._cancels: list[int] = []  # engine ids to cancel at the next tick
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -170,7 +171,7 @@ class AsyncEngine:
     async def stop(self) -> None:
         """Cancel whatever is still waiting or running, end the loop and its thread."""
         self._closing = True
-        for h in list(self._waiting) + list(self._running.values()):
+        for h in list(self._waiting) + self._admitting + list(self._running.values()):
             h.cancel()
         if self._task is not None:
             self._wake.set()
@@ -191,7 +192,8 @@ class AsyncEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        # the requests of the admission tick in flight count too (cancelled ones leave at the next tick)
+        return len(self._running) + sum(not h.done for h in self._admitting)
 
     @property
     def num_waiting(self) -> int:
@@ -225,8 +227,8 @@ class AsyncEngine:
         """Queue validated prompt ids; Overloaded when the queue is full, EngineError when stopping."""
         if self._closing or not self.alive:
             raise EngineError("the engine is not running (shutting down?)")
-        if len(self._running) + len(self._waiting) >= self.n_slots + self.max_queue:
-            raise Overloaded(f"server at capacity: {len(self._running)} requests running, "
+        if self.num_running + len(self._waiting) >= self.n_slots + self.max_queue:
+            raise Overloaded(f"server at capacity: {self.num_running} requests running, "
                              f"{len(self._waiting)} waiting (max_queue {self.max_queue})")
         h = RequestHandle(self, list(ids), params)
         self._waiting.append(h)
@@ -281,12 +283,13 @@ class AsyncEngine:
     async def _turn(self) -> None:
         """One tick: cancellations, admissions and a step on the engine thread, then delivery."""
         cancels, self._cancels = self._cancels, []
-        admit = []
+        admit = self._admitting  # counted as running while their tick is in flight
         while self._waiting and len(self._running) + len(admit) < self.n_slots:
             admit.append(self._waiting.popleft())
         try:
             events, t, failures = await self.call(self._tick, cancels, admit, list(self._running))
         except Exception as e:  # the step itself failed: fail its requests (the tick cancelled them)
+            self._admitting = []
             self.failed_steps += 1
             log.exception("engine step failed; failing the requests in it")
             err = EngineError(f"engine step failed: {e}")
@@ -295,6 +298,7 @@ class AsyncEngine:
                 h._finish("error", now, err)
             self._running.clear()
             return
+        self._admitting = []
         for h, err in failures:
             h._finish("error", t, err)
         for h in admit:
