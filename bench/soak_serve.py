@@ -20,7 +20,7 @@ bad fields, a context overrun, a 20 MB body). With a small --max-queue bursts me
 Prints the figures (requests, answers by status, hang-ups, slots free, tracebacks, client-side
 TTFT p50/p99 of the streamed requests) and one JSON line; exits 1 if a check fails.
 
-    python bench/soak_serve.py OUT [--requests 1000] [--rate 5] [--concurrency 16] [--max-queue 2]
+    python -m dsv4.bench.soak_serve OUT [--requests 1000] [--rate 5] [--concurrency 16] [--max-queue 2]
 
 OUT: an export with a tokenizer (stop strings and chat need one), e.g.
 `dsv4 export --target llvm-cpu --batch-sizes 1,4 --max-seq-len 256 -o OUT`.
