@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         import dsv4.export  # noqa: F401  (compat shim)
         from dsv4.export.compile import compile_mlir
         from dsv4.export.exporter import _no_stack_traces, _trace
-        from dsv4.export.model_kernels import use_kernels
+        from dsv4.export.kernel_op import use_kernels
 
         t0 = time.perf_counter()
         tmodel = empty_model(cfg, act, quantized=quantized)

@@ -33,7 +33,7 @@ def prepare(out: Path, target: str) -> None:
 
     import dsv4.export  # noqa: F401
     from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
     from dsv4.model.kernels.sparse_attention import sparse_attention
     from dsv4.model.kernels.topk import topk_indices
 

@@ -39,7 +39,7 @@ def build(out: Path, target: str, experts: int) -> Path:
 
     import dsv4.export  # noqa: F401
     from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
     from dsv4.model.quant.formats import fp8_fn_to_fnuz
     from dsv4.model.kernels.linear import fp8_block_linear, fp8_block_linear_stacked
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dsv4.export import compat
     from dsv4.export.exporter import _Entry, _no_stack_traces, _program
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
     from dsv4.model.state import state_spec

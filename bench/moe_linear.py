@@ -40,7 +40,7 @@ def build(out: Path, target: str, flag: bool) -> Path:
 
     import dsv4.export  # noqa: F401
     from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
 
     fxb = aot.FxProgramsBuilder(_Moe())
     G, M = torch.export.Dim("G", min=2, max=4096), torch.export.Dim("M", min=1, max=64)

@@ -8,7 +8,7 @@ import json, sys, time
 from pathlib import Path
 import numpy as np, torch
 import dsv4.export  # noqa
-from dsv4.export.exporter import export_model
+from dsv4.export.exporter import ExportSpec, export_model
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.model.state import new_state
 ensure_runtime_flags()
@@ -21,8 +21,7 @@ q = _quantized_tiny(quant_sim=True, dtype=dt)
 cfg = q.cfg
 if not (out / "config.json").exists():
     t0 = time.time()
-    r = export_model(q, cfg, out, targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1,), score=False,
-                     max_chunk=64, n_slots=2, progress=print)
+    r = export_model(q, ExportSpec(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1,), score=False, max_chunk=64, n_slots=2), out, progress=print)
     print("export s", round(time.time() - t0, 1), {k: round(v, 1) for k, v in r.timings.items()} if hasattr(r, "timings") else "")
 c = json.loads((out / "config.json").read_text())
 mod = IreeModule(out / c["targets"]["llvm-cpu"]["vmfb"], [out / p for p in ([c["parameters"]] if isinstance(c["parameters"], str) else c["parameters"])])

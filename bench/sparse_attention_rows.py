@@ -39,7 +39,7 @@ def build(out: Path, targets: list[str], cases: list[tuple[int, int]]) -> None:
 
     import dsv4.model.model as mm
     from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
     from dsv4.model.model import pad_selection
 
     out.mkdir(parents=True, exist_ok=True)

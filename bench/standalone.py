@@ -18,7 +18,7 @@ def build(fn: Callable, prefix: str, args_for: Callable[[int], Sequence[Any]], b
 
     import dsv4.export  # noqa: F401  (compat shim)
     from dsv4.export.compile import compile_mlir
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
 
     class M(torch.nn.Module):
         def forward(self, *a):

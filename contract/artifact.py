@@ -139,14 +139,14 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  decode_batch_sizes: Sequence[int], score_batch_sizes: Sequence[int],
                  state: Sequence[Mapping[str, Any]], targets: Mapping[str, Mapping[str, Any]],
                  parameters: str | Sequence[str], tokenizer: str | None, bos_token_id: int | None,
-                 eos_token_ids: Sequence[int], export_id: str,
-                 extra_functions: Mapping[str, Any] | None = None,
-                 weights: Mapping[str, Any] | None = None,
-                 devices: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 eos_token_ids: Sequence[int], export_id: str, extra_functions: Mapping[str, Any] | None = None,
+                 weights: Mapping[str, Any] | None = None, devices: Mapping[str, Any] | None = None,
+                 lowering: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
     "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
-    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field)."""
+    `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field), `lowering`
+    the lowering plan's inputs (the plan: each target's "kernels" and "flags"; the runtime ignores both)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -175,6 +175,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "eos_token_ids": list(eos_token_ids),
         "export_id": export_id,
         **({"devices": dict(devices)} if devices is not None else {}),
+        **({"lowering": dict(lowering)} if lowering is not None else {}),
     }
 
 

@@ -49,7 +49,7 @@ class _KernelHelp(str):
     so torch loads for `dsv4 export -h` only, never for `dsv4 --help`."""
 
     def __mod__(self, params: object) -> str:
-        from dsv4.export.model_kernels import kernel_help
+        from dsv4.export.lowering import kernel_help
 
         return kernel_help().replace("%", "%%") % params
 
@@ -144,33 +144,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from dsv4.contract.artifact import check_out_dir
 
-    from dsv4.export.compile import check_target
     from dsv4.export.exporter import ExportError, export_model
+    from dsv4.export.spec import ExportSpec
 
     for cat, mod in _QUIET:
         warnings.filterwarnings("ignore", category=cat, module=mod)
     stage = "validate"
     try:
         check_out_dir(args.out, force=args.force)  # before minutes of work
-        targets = args.targets or ["gfx942"]
-        for t in targets:
-            check_target(t)
-        if args.devices < 1:
-            raise ValueError(f"--devices must be >= 1, got {args.devices}")
-        if args.pipeline and args.devices < 2:
-            raise ValueError("--pipeline needs --devices N with N >= 2 (the number of stages)")
+        spec = ExportSpec.from_args(args)  # every option checked, the targets preflighted
         import torch
 
         from dsv4.model.config import ModelConfig
         from dsv4.model.model import empty_model
 
         stage = "load"
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        overrides = {}
-        if args.max_seq_len is not None:
-            overrides["max_seq_len"] = args.max_seq_len
-        if args.quant_sim is not None:
-            overrides["quant_sim"] = args.quant_sim == "on"
+        dtype = getattr(torch, spec.dtype)
+        overrides = {k: getattr(spec, k) for k in ("max_seq_len", "quant_sim") if getattr(spec, k) is not None}
         tokenizer = None
         if not args.preset:
             from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, checkpoint_tensors, load_checkpoint
@@ -203,19 +193,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = model.cfg
         log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {_count(model)}, "
             f"{args.dtype}")
-        kernels = {}
-        for item in args.kernel:
-            op, sep, impl = item.partition("=")
-            if not sep:
-                raise ValueError(f"--kernel expects OP=IMPL, got {item!r}")
-            kernels[op.strip()] = impl.strip()
         stage = "export"
-        res = export_model(model, cfg, args.out, targets=targets, batch_sizes=args.batch_sizes,
-                           decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
-                           n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
-                           tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
-                           weights=weights, devices=args.devices, pipeline=args.pipeline,
-                           batch_invariant=args.batch_invariant)
+        res = export_model(model, spec, args.out, weights=weights, tokenizer=tokenizer, progress=log,
+                           force=args.force)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

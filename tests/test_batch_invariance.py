@@ -55,13 +55,13 @@ def batchinv_export(request):
     """(model name, export dir); built once per source state and cached by tests/conftest.py."""
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     name = request.param
 
     def build(out: Path) -> None:
         model = _model(name)
-        export_model(model, model.cfg, out, max_chunk=MODELS[name], **EXPORT_ARGS)
+        export_model(model, ExportSpec(max_chunk=MODELS[name], **EXPORT_ARGS), out)
 
     weights = sorted((REPO / "model" / "assets" / "small").glob("*.safetensors")) if name == "embedded" else []
     return name, cached_export(f"batchinv-{name}", build, [name, MODELS[name], sorted(EXPORT_ARGS.items()), *weights])

@@ -841,14 +841,14 @@ def tiny_export() -> Path:
 
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     if os.environ.get("DSV4_RUNTIME_TEST_EXPORT_DIR"):
         return Path(os.environ["DSV4_RUNTIME_TEST_EXPORT_DIR"])
 
     def build(out: Path) -> None:
         cfg, model = _tiny_model()
-        export_model(model, cfg, out, **TINY_EXPORT_ARGS)
+        export_model(model, ExportSpec(**TINY_EXPORT_ARGS), out)
 
     return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
 

@@ -231,14 +231,14 @@ def serve_export() -> Path:
     if not (cache / "config.json").is_file():
         import torch
 
-        from dsv4.export.exporter import export_model
+        from dsv4.export.exporter import ExportSpec, export_model
         from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
 
         model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16, overrides={"max_seq_len": MAX_SEQ_LEN})
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="serve-", dir=cache.parent))
         try:
-            export_model(model, model.cfg, tmp, **EXPORT_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+            export_model(model, ExportSpec(**EXPORT_ARGS), tmp, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
             tmp.rename(cache)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
