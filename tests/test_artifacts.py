@@ -156,7 +156,7 @@ def test_failed_export_model_leaves_a_working_export_alone(tmp_path: Path, monke
     (out / "model.llvm-cpu.vmfb").write_text("old module")
     before = _snapshot(out)
 
-    def fake_build(model, spec, cfg, bs, dec, score, tmin, tmax, eid, mlir, *a, **k):
+    def fake_build(run, model, state_spec, mlir, tag):
         mlir.write_text("module {}")  # the weights stage then writes new shards into the stage
 
     def fake_compile(mlir, target, vmfb, extra=(), log_path=None):
@@ -348,7 +348,7 @@ def test_each_weight_group_is_labelled_with_the_fp8_flavour_its_files_hold(order
     from dsv4.model.model import Transformer
     from dsv4.contract.weights import open_weights
 
-    monkeypatch.setattr(exporter, "_build_mlir", lambda *a, **k: a[9].write_text("module {}"))
+    monkeypatch.setattr(exporter, "_build_mlir", lambda run, model, state_spec, mlir, tag: mlir.write_text("module {}"))
     monkeypatch.setattr(exporter, "compile_mlir", lambda mlir, target, vmfb, extra=(), log_path=None: (
         Path(vmfb).write_text("module"), CompileResult(Path(vmfb), 0.0, ()))[1])
     cfg = ModelConfig.preset("tiny")

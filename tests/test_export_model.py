@@ -290,11 +290,7 @@ def test_bad_chunk_and_slots(small_model, tmp_path):
 
 def test_default_slots_cover_decode_batch_sizes():
     """Without --n-slots the state holds as many slots as the widest call of either kind."""
-    from dsv4.export.exporter import _validate
-
-    m = Transformer(tiny_cfg(), dtype=torch.float32)
-    *_, n_slots = _validate(m, tiny_cfg(), ["llvm-cpu"], (1, 4), (1, 4, 16), None, None)
-    assert n_slots == 16
+    assert ExportSpec(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_sizes=(1, 4, 16)).n_slots == 16
 
 
 def _quantized_tiny(quant_sim: bool = False, dtype: torch.dtype = torch.float32) -> Transformer:
