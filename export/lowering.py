@@ -23,6 +23,7 @@ is generated from the same table.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -149,11 +150,14 @@ def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
 
 
 def kernel_help() -> str:
-    """`dsv4 export --kernel`'s help, from RULES: each op's default and the conditions that change it."""
-    ops = []
-    for name, rule in RULES.items():
-        cond = [f"{k}: {v}" for k, v in (("bi", rule.batch_invariant), ("cpu", rule.cpu_big_experts)) if v]
-        ops.append(f"{name}={rule.default}" + (f" ({', '.join(cond)})" if cond else ""))
-    return ("lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong IMPL lists "
-            "the choices). Plan (export/lowering.py; bi: --batch-invariant on a GPU, cpu: llvm-cpu only with "
-            "routed experts over 1 GiB a layer in f32): " + ", ".join(ops))
+    """`dsv4 export --kernel`'s help, from RULES: the usual implementation, the exceptions, the conditions."""
+    usual = Counter(r.default for r in RULES.values()).most_common(1)[0][0]
+    odd = ", ".join(f"{n}={r.default}" for n, r in RULES.items() if r.default != usual)
+
+    def when(attr: str) -> str:
+        return ", ".join(f"{n}={getattr(r, attr)}" for n, r in RULES.items() if getattr(r, attr))
+
+    return (f"lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong OP or IMPL "
+            f"lists the choices). Plan (export/lowering.py): {usual} for every op but {odd}; on a GPU with "
+            f"--batch-invariant {when('batch_invariant')}; on llvm-cpu alone with routed experts over 1 GiB a "
+            f"layer in f32 {when('cpu_big_experts')}")

@@ -18,8 +18,7 @@ from .compile import Target, check_target
 
 __all__ = ["ExportError", "ExportSpec", "DTYPES"]
 
-# activation/state dtype names (config.json's) -> the torch dtype's attribute name
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPES = ("float32", "bfloat16", "float16")  # activation/state dtypes (config.json's names, torch's attributes)
 _CLI_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -100,14 +99,14 @@ class ExportSpec:
         return tgts
 
     def _checked_kernels(self) -> tuple[tuple[str, str], ...]:
-        from .lowering import kernel_help, resolve_kernels
+        from .lowering import resolve_kernels
 
         pairs = tuple((str(k), str(v)) for k, v in (self.kernels.items() if isinstance(self.kernels, Mapping)
                                                     else self.kernels))
         try:
             resolve_kernels(dict(pairs))
         except ValueError as e:
-            _fail(f"--kernel: {e}. {kernel_help()}")
+            _fail(f"--kernel: {e}")  # names the ops or the implementations to choose from
         return pairs
 
     def _check_options(self) -> None:

@@ -186,7 +186,8 @@ def test_every_hot_spot_has_an_op():
     assert set(RULES) == set(mk.KERNELS) == set(mk.HOOKS) == set(CASES)
     help_text = kernel_help()
     for name, rule in RULES.items():
-        assert f"{name}={rule.default}" in help_text
+        assert rule.default == "kernel" or f"{name}={rule.default}" in help_text
+        assert rule.batch_invariant is None or f"{name}={rule.batch_invariant}" in help_text
     sa = mk.KERNELS["sparse_attention"]
     assert sa.mlir is not None and sa.mlir.name == "sparse_attention.mlir.jinja"
     assert "util.func private @{{kernel_name}}" in sa.mlir_template()
