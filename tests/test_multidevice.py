@@ -391,9 +391,10 @@ def test_pipeline_requests_that_cannot_work_fail_before_tracing(tmp_path: Path) 
     from dsv4.model.model import empty_model
 
     cfg = ModelConfig.preset("tiny")  # 4 layers
-    for n, msg in ((5, "cannot split 4 layers into 5 pipeline stages"), (1, "at least 2 devices")):
+    for n, msg in ((5, "cannot split 4 layers into 5 pipeline stages"), (1, "--pipeline needs --devices N with N >= 2")):
         with pytest.raises(ExportError, match=msg):
-            export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], devices=n, pipeline=True), tmp_path / "x")
+            export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], devices=n, pipeline=True),
+                         tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
