@@ -41,21 +41,21 @@ def _batch_sizes(text: str) -> list[int]:
     return out
 
 
-def _kernel(text: str) -> tuple[str, str]:
+def _kernel(text: str) -> str:
     op, sep, impl = text.partition("=")
     if not sep or not op.strip() or not impl.strip():
         raise argparse.ArgumentTypeError(f"expected OP=IMPL, got {text!r}")
-    return op.strip(), impl.strip()
+    return f"{op.strip()}={impl.strip()}"
 
 
 class _KernelHelp(str):
-    """--kernel's help from the export's kernel table (dsv4.export.model_kernels.kernel_help), made
+    """--kernel's help from the export's lowering table (dsv4.export.lowering.kernel_help), made
     when argparse formats it (help % params): torch loads for `dsv4 export --help` only, and a
     runtime-only install gets the short form."""
 
     def __mod__(self, params: object) -> str:
         try:
-            from dsv4.export.model_kernels import kernel_help
+            from dsv4.export.lowering import kernel_help
 
             return kernel_help().replace("%", "%%") % params
         except ImportError:
@@ -120,8 +120,11 @@ def add_parser(subparsers: Any, name: str = "export") -> argparse.ArgumentParser
     return p
 
 
-def validate(args: argparse.Namespace) -> None:
-    """ValueError for what can be refused before torch loads (a config error shows within ~1 s)."""
+def validate(args: argparse.Namespace) -> Any:
+    """The ExportSpec of the command line (dsv4.export.spec: every option checked, the targets
+    preflighted once), after what needs no compiler: the output and checkpoint directories. Raises
+    ValueError (ExportError for the spec's checks) before torch loads, so a config error shows within
+    about a second. None when the export extra is missing (`run` names it)."""
     from dsv4.contract.artifact import check_out_dir
 
     check_out_dir(args.out, force=args.force)
@@ -131,32 +134,24 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--checkpoint {ck}: no such directory")
         if not (ck / "config.json").is_file():
             raise ValueError(f"--checkpoint {ck}: no config.json there (not a checkpoint directory)")
-    for flag, v, least in (("--devices", args.devices, 1), ("--layers", args.layers, 1),
-                           ("--max-seq-len", args.max_seq_len, 1), ("--max-chunk", args.max_chunk, 1),
-                           ("--n-slots", args.n_slots, 1)):
-        if v is not None and v < least:
-            raise ValueError(f"{flag} must be >= {least}, got {v}")
-    for flag, sizes in (("--batch-sizes", args.batch_sizes), ("--decode-batch-sizes", args.decode_batch_sizes)):
-        if sizes is not None and min(sizes) < 1:
-            raise ValueError(f"{flag}: batch sizes must be >= 1, got {','.join(map(str, sizes))}")
-    if args.pipeline and args.devices < 2:
-        raise ValueError("--pipeline needs --devices N with N >= 2 (the number of stages)")
+    for flag, v in (("--layers", args.layers), ("--max-seq-len", args.max_seq_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
     try:
-        from dsv4.export.compile import check_target
+        from dsv4.export.spec import ExportSpec
     except ModuleNotFoundError:  # no compiler: the export extra is missing (reported by run)
-        return
-    for t in args.targets or ["gfx942"]:
-        check_target(t)
+        return None
+    return ExportSpec.from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        validate(args)
-    except ValueError as e:
+        spec = validate(args)
+    except (ValueError, RuntimeError) as e:  # ExportError("validate", ...) is a RuntimeError
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 2
     from dsv4.export.command import cmd_export
 
     import torch  # noqa: F401  (a runtime-only install: the missing extra is named, see dsv4.cli)
 
-    return cmd_export(args)
+    return cmd_export(args, spec)

@@ -147,12 +147,14 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  extra_functions: Mapping[str, Any] | None = None,
                  weights: Mapping[str, Any] | None = None,
                  devices: Mapping[str, Any] | None = None,
-                 sha256: Mapping[str, str] | None = None) -> dict[str, Any]:
+                 sha256: Mapping[str, str] | None = None,
+                 lowering: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
     "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
     `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field),
-    `sha256` each weight file's digest."""
+    `sha256` each weight file's digest, `lowering` the lowering plan's inputs (the plan: each target's
+    "kernels" and "flags"; the runtime ignores both)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -182,6 +184,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         "export_id": export_id,
         **({"devices": dict(devices)} if devices is not None else {}),
         **({"sha256": dict(sorted(sha256.items()))} if sha256 else {}),
+        **({"lowering": dict(lowering)} if lowering is not None else {}),
     }
 
 

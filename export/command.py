@@ -10,6 +10,10 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsv4.export.spec import ExportSpec
 
 __all__ = ["cmd_export", "parameter_counts"]
 
@@ -45,8 +49,9 @@ def _count(model) -> str:
             f"byte, {scales / 1e6:.2f} M block scales)")
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """Run an export whose arguments dsv4.cli.export has checked (out dir, targets, counts, kernels)."""
+def cmd_export(args: argparse.Namespace, spec: "ExportSpec") -> int:
+    """Run the export `spec` describes (dsv4.cli.export built and checked it from `args`, which also
+    say where the model comes from: a checkpoint, a preset, the weights' seed)."""
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -58,18 +63,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", category=cat, module=mod)
     stage = "load"
     try:
-        targets = args.targets or ["gfx942"]
         import torch
 
         from dsv4.model.config import ModelConfig
         from dsv4.model.model import empty_model
 
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        overrides = {}
-        if args.max_seq_len is not None:
-            overrides["max_seq_len"] = args.max_seq_len
-        if args.quant_sim is not None:
-            overrides["quant_sim"] = args.quant_sim == "on"
+        dtype = getattr(torch, spec.dtype)
+        overrides = {k: getattr(spec, k) for k in ("max_seq_len", "quant_sim") if getattr(spec, k) is not None}
         tokenizer = None
         if not args.preset:
             from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, checkpoint_tensors, load_checkpoint
@@ -103,14 +103,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = model.cfg
         log(f"model: {cfg.n_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {_count(model)}, "
             f"{args.dtype}")
-        kernels = dict(args.kernel)
         stage = "export"
-        res = export_model(model, cfg, args.out, targets=targets, batch_sizes=args.batch_sizes,
-                           decode_batch_sizes=args.decode_batch_sizes, max_chunk=args.max_chunk,
-                           n_slots=args.n_slots, keep_mlir=args.keep_mlir, score=not args.no_score,
-                           tokenizer=tokenizer, progress=log, kernels=kernels, force=args.force,
-                           weights=weights, devices=args.devices, pipeline=args.pipeline,
-                           batch_invariant=args.batch_invariant)
+        res = export_model(model, spec, args.out, weights=weights, tokenizer=tokenizer, progress=log,
+                           force=args.force)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

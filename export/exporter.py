@@ -1,6 +1,7 @@
 """Export the DeepSeek-V4 model to IREE: MLIR (iree-turbine), vmfb per target, .irpa, config.json.
 
-`export_model` builds one module with these entry points (all integers int64):
+`export_model(model, spec, out_dir)` builds, from the model and an `ExportSpec` (export/spec.py: every
+option, validated once), one module with these entry points (all integers int64):
 
 * ``prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], *state) -> (logits f32[N,V], argmax i64[N])``
   (argmax -1: that row's logits are not all finite)
@@ -29,8 +30,8 @@ Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with ext
 parameters (one parameter scope shared by all entry points; tracing needs shapes only, so the model
 may be an `empty_model`), strict=False tracing with the state writes functionalized in place
 (export/functionalize.py) instead of turbine's whole-graph decomposition retrace, each hot spot's
-declared export implementation (model/kernels: the exact radix top-k, the routed MoE reading only
-the selected experts' weights), and ``import_symbolic_shape_expressions=False`` because the
+lowering chosen by export/lowering.py (the exact radix top-k, the routed MoE reading only the
+selected experts' weights, ...), and ``import_symbolic_shape_expressions=False`` because the
 compressor's ``T // ratio`` is a FloorDiv the importer cannot translate.
 FP8 weights are e4m3fn for llvm-cpu/cuda and e4m3fnuz (formats.fp8_fn_to_fnuz) for gfx942; when
 both kinds of targets are asked for, the fnuz targets get their own MLIR and .irpa.
@@ -58,24 +59,16 @@ from dsv4.contract.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, 
                                    write_config)
 
 from . import compat as _compat
-from .compile import GPU_REDUCTION_FLAG, CompileError, Target, check_target, compile_mlir
-from .sharding import check_devices, layout, shard_tensors, sharded
+from .compile import CompileError, Target, compile_mlir
+from .lowering import LoweringPlan, plan_lowering
+from .sharding import layout, shard_tensors, sharded
+from .spec import ExportError, ExportSpec
 
-__all__ = ["ExportError", "ExportResult", "export_model", "FORMAT", "VERSION",
+__all__ = ["ExportError", "ExportResult", "ExportSpec", "export_model", "FORMAT", "VERSION",
            "function_abi", "score_logprobs"]
 
 STATE_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FNUZ_TARGETS = ("gfx942",)  # targets whose native FP8 is e4m3fnuz
-
-
-class ExportError(RuntimeError):
-    """An export stage failed; ``stage`` names it ("validate", "trace:prefill_bs4", "import",
-    "compile:gfx942", ...) and ``ops`` the offending op(s) when known."""
-
-    def __init__(self, stage: str, message: str, ops: Sequence[str] = ()):
-        self.stage, self.ops = stage, tuple(ops)
-        extra = f" (offending op(s): {', '.join(self.ops)})" if self.ops else ""
-        super().__init__(f"export stage '{stage}' failed: {message}{extra}")
 
 
 @dataclass
@@ -198,101 +191,6 @@ def _model_tensors(model: nn.Module, flavour: str, prefix: str = PARAM_PREFIX) -
         yield from archive_tensors(own, fp8, f"{prefix}{mname}." if mname else prefix)
 
 
-# the GEMM kernels' form that pads rows to a 16-row tile (--batch-invariant picks it wherever an op offers it)
-ROW_TILED = "kernel_rows16"
-
-
-# an llvm-cpu-only export reads the routed experts in place when one layer's routed experts would take
-# more than this in f32 (the gather's copy is about that large per prefill call); below it the gather
-# is faster (docs/performance.md, session 17: 2x llvm-cpu prefill on the embedded default)
-GATHER_COPY_LIMIT = 1 << 30
-
-
-def routed_f32_bytes(cfg) -> int:
-    """One layer's routed expert weights (w1, w3, w2) in f32: what gathering them before the GEMM copies."""
-    return 4 * 3 * cfg.n_routed_experts * cfg.moe_intermediate_size * cfg.hidden_size
-
-
-def _default_kernels(kernels: dict[str, str] | None, tgts: Sequence[Target], routed_bytes: int,
-                     batch_invariant: bool = False) -> dict[str, str]:
-    """The user's --kernel choices, plus: an export for llvm-cpu only reads the routed experts in place
-    (mxfp4_linear_gathered=kernel) when `routed_bytes` (routed_f32_bytes) exceeds GATHER_COPY_LIMIT:
-    gathering first makes IREE write an f32 copy of every routed block's weights, 27 GB per Flash
-    layer for a 100-token prefill, while at the embedded default's size the gather is 2x faster. GPU
-    targets keep the gather: their compile of that kernel needs a flag that changes every reduction
-    (export/compile.py).
-    `batch_invariant`: the GEMMs pad their rows to a 16-row tile (kernel_rows16), so a GPU runs one
-    GEMM schedule for every decode batch size (docs/batch-invariance.md). llvm-cpu is batch-invariant
-    without them and not with them (its decode_bs16 then rounds differently from decode_bs1), so an
-    llvm-cpu-only export ignores the flag and one mixing llvm-cpu with a GPU target is refused.
-    Sparse attention lowers as its kernel everywhere (the op's declared export default, model/kernels/
-    sparse_attention.py; with `batch_invariant` too: bitwise across cuda batch sizes, session 18)."""
-    out = dict(kernels or {})
-    cpu_only = all(t.name == "llvm-cpu" for t in tgts)
-    serves_cpu = any(t.name == "llvm-cpu" for t in tgts)
-    if "*" not in out and cpu_only and routed_bytes > GATHER_COPY_LIMIT:
-        out.setdefault("mxfp4_linear_gathered", "kernel")
-    if batch_invariant and not cpu_only:
-        if serves_cpu:
-            raise ExportError("validate", "--batch-invariant cannot serve llvm-cpu and a GPU target in one export: "
-                              "the row-tiled GEMMs that make a GPU's decode batch-invariant make llvm-cpu's "
-                              "batch-dependent (docs/batch-invariance.md). Export llvm-cpu without the flag (it is "
-                              "batch-invariant by default) and the GPU target(s) separately with it")
-        from .model_kernels import MODEL_OPS
-
-        for name, op in MODEL_OPS.items():
-            if ROW_TILED in op.impl_names:
-                out.setdefault(name, ROW_TILED)
-        # the routed experts' f32 form: its one-row (bs1: a slot per pair) and 16-row-block (bs8+) forms
-        # were measured to agree bit for bit; the bf16 GEMM takes a matvec for one and a tiled GEMM for the other
-        out.setdefault("mxfp4_linear_stacked", "kernel_f32")
-        # wo_a as the einsum: the form cuda's bitwise check ran with (session 18); the kernel, the default
-        # since session 23, has not been through that check
-        out.setdefault("grouped_linear", "reference")
-    return out
-
-
-def _validate(model: nn.Module, cfg, targets: Sequence[str], batch_sizes: Sequence[int],
-              decode_batch_sizes: Sequence[int] | None, max_chunk: int | None,
-              n_slots: int | None) -> tuple[list[Target], list[int], list[int], int, int, int]:
-    from dsv4.model.model import Transformer
-
-    if not isinstance(model, Transformer):
-        raise ExportError("validate", f"expected a dsv4 Transformer, got {type(model).__name__}")
-    if model.cfg != cfg:
-        diff = [k for k, v in cfg.to_dict().items() if model.cfg.to_dict().get(k) != v]
-        raise ExportError("validate", f"the model was built for a different config than the one given "
-                                      f"(fields differ: {', '.join(diff) or '?'}); checkpoint/config mismatch")
-    if not targets:
-        raise ExportError("validate", "no compile target given")
-    try:
-        tgts = [check_target(t) for t in targets]
-    except ValueError as e:
-        raise ExportError("validate", str(e)) from None
-    if len({t.name for t in tgts}) != len(tgts):
-        raise ExportError("validate", f"a target is listed twice: {list(targets)}")
-    bs = sorted(set(int(b) for b in batch_sizes))
-    if not bs or any(b < 1 for b in bs) or any(int(b) != b for b in batch_sizes):
-        raise ExportError("validate", f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
-    min_tokens = max([r for r in cfg.compress_ratios if r] + [2])
-    max_chunk = int(max_chunk if max_chunk is not None else min(cfg.max_seq_len, 512))
-    if not min_tokens <= max_chunk <= cfg.max_seq_len:
-        raise ExportError("validate", f"max_chunk {max_chunk} must be in [{min_tokens} (largest compression "
-                                      f"ratio), max_seq_len {cfg.max_seq_len}]")
-    dec_bs = sorted(set(int(b) for b in (decode_batch_sizes or bs)))
-    if any(b < 1 for b in dec_bs):
-        raise ExportError("validate", f"decode batch sizes must be integers >= 1, got {dec_bs}")
-    # default: enough slots for the largest call of either kind (decode often runs wider than prefill)
-    n_slots = int(n_slots if n_slots is not None else max(bs + dec_bs))
-    if n_slots < max(bs + dec_bs):
-        raise ExportError("validate", f"n_slots {n_slots} is smaller than the largest batch size {max(bs + dec_bs)} "
-                                      "(slots within one call must be distinct)")
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            raise ExportError("validate", f"parameter {name} has no data (meta tensor); load weights first")
-    return tgts, bs, dec_bs, min_tokens, max_chunk, n_slots
-
-
 def _short(e: BaseException) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     msg = lines[0] if lines else ""
@@ -388,14 +286,12 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
         fxb.export_program(fn, name=name, args=args, dynamic_shapes=dshapes, strict=False)
 
 
-def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], cfg,
-                bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
-                export_id: str, mlir_path: Path, log: Callable[[str], None], timings: dict[str, float],
-                tag: str, probe_topk: bool, kernels: dict[str, str], sample_bs: Sequence[int] = ()) -> None:
+def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                mlir_path: Path, tag: str) -> None:
     """Trace every entry point and import them into one MLIR module (the graph reads parameters by
     name from the .irpa, so tracing never touches weight values). `model` is the Transformer or a
-    pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first).
-    `sample_bs`: the batch sizes that get a ``sample_bs{N}`` (model/device_sampling.py)."""
+    pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first); every
+    hot spot traces the implementation of the run's lowering plan."""
     from iree.turbine import aot
 
     entry = _Entry(model, list(state_spec)).eval()
@@ -403,6 +299,7 @@ def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...]
 
     fxb = aot.FxProgramsBuilder(entry)
     state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec.values()]
+    spec, cfg, min_tokens, max_chunk = run.spec, run.cfg, run.min_tokens, run.max_chunk
     T = torch.export.Dim("T", min=min_tokens, max=max_chunk)
     i64 = torch.int64
     ex_T = min(max(min_tokens, 2 * min_tokens), max_chunk)
@@ -416,19 +313,22 @@ def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...]
     dyn = {"tokens": {1: T}, "start_pos": None, "lengths": None, "slots": None, "state": [None] * len(state)}
     if streams:
         dyn = {"h": {1: T}, **dyn}
-    programs: list[tuple[str, Callable, tuple, Any]] = []
-    for n in bs:
-        programs.append((f"prefill_bs{n}", _Entry.step, example(n, ex_T), dyn))
-    for n in dec_bs:
-        programs.append((f"decode_bs{n}", _Entry.step, example(n, 1), None))
-    for n in score_bs:
-        programs.append((f"score_bs{n}", _Entry.score, example(n, ex_T), dyn))
-    if probe_topk:
-        programs.append(("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn))
+    programs: list[tuple[str, Callable, tuple, Any]] = [
+        *[(f"prefill_bs{n}", _Entry.step, example(n, ex_T), dyn) for n in spec.batch_sizes],
+        *[(f"decode_bs{n}", _Entry.step, example(n, 1), None) for n in spec.decode_batch_sizes],
+        *[(f"score_bs{n}", _Entry.score, example(n, ex_T), dyn) for n in run.score_bs],
+        *([("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn)] if spec.probe_topk else [])]
+    _trace_all(run, fxb, programs, streams, tag)
+    _import(run, fxb, mlir_path, tag)
 
-    from .model_kernels import use_kernels
 
-    with torch.no_grad(), use_kernels(kernels), _no_stack_traces():
+def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple, Any]], streams: bool,
+               tag: str) -> None:
+    """Trace `programs` (name, entry, example args, dynamic shapes), the device samplers and export_id."""
+    from .kernel_op import use_kernels
+
+    log, timings, i64 = run.log, run.timings, torch.int64
+    with torch.no_grad(), use_kernels(run.plan.kernels), _no_stack_traces():
         for name, fn, args, dshapes in programs:
             t0 = time.perf_counter()
             try:
@@ -438,13 +338,18 @@ def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...]
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
             log(f"traced {name} ({timings[f'trace:{name}{tag}']:.1f} s)")
-        for n in sample_bs:
-            args = (torch.zeros(n, cfg.vocab_size), torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n),
+        for n in run.sample_bs:
+            args = (torch.zeros(n, run.cfg.vocab_size), torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n),
                     torch.zeros(n, dtype=i64))
             fxb.export_program(_sample_program, name=f"sample_bs{n}", args=args, strict=False)
-        code = torch.tensor(list(export_id.encode()), dtype=i64)
+        code = torch.tensor(list(run.export_id.encode()), dtype=i64)
         fxb.export_program(lambda m: code.clone(), name="export_id", args=(), strict=False)
 
+
+def _import(run: "_Run", fxb: Any, mlir_path: Path, tag: str) -> None:
+    from iree.turbine import aot
+
+    log, timings = run.log, run.timings
     t0 = time.perf_counter()
     try:
         with _heartbeat(log, "importing to MLIR"):
@@ -456,206 +361,249 @@ def _build_mlir(model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...]
     log(f"imported -> {mlir_path.name} ({mlir_path.stat().st_size / 1e6:.1f} MB, {timings[f'import{tag}']:.1f} s)")
 
 
-def export_model(model: nn.Module, cfg, out_dir: "str | os.PathLike", targets: Sequence[str] = ("gfx942",),
-                 batch_sizes: Sequence[int] = (1, 4), max_chunk: int | None = None, n_slots: int | None = None,
-                 keep_mlir: bool = False, *, decode_batch_sizes: Sequence[int] | None = None,
-                 score: bool = True, tokenizer: "str | os.PathLike | None" = None,
-                 progress: Callable[[str], None] | None = None, extra_flags: Sequence[str] = (),
-                 probe_topk: bool = False, kernels: Mapping[str, str] | None = None,
-                 force: bool = False, weights: "WeightSource | str | None" = "model",
-                 devices: int = 1, pipeline: bool = False, batch_invariant: bool = False) -> ExportResult:
-    """Export `model` (a dsv4 Transformer for `cfg`, weights loaded) into `out_dir`; see module docstring.
+@dataclass
+class _Run:
+    """One export in progress: the model, its spec and lowering plan, where the files go, the timings."""
 
-    `probe_topk` adds ``topk_probe_bs1`` (prefill returning (logits, *indices, *scores of every top-k)) for
-    parity tests. `kernels` picks a lowering per hot spot, e.g. {"sparse_attention": "kernel"}
-    (export/model_kernels.py; default: each op's declared export implementation). `force` replaces a non-empty `out_dir`
-    that is not a dsv4 export. `weights` says what goes into the .irpa: "model" (the model's own
-    parameters), None (none: `--no-weights`, config.json still names the files, see `dsv4 weights`), or
-    a WeightSource called with (inventory, flavour) that yields (key, bytes) one tensor at a time (random
+    model: nn.Module
+    spec: ExportSpec
+    plan: LoweringPlan
+    out: Path
+    log: Callable[[str], None]
+    weights: "WeightSource | str | None"
+    min_tokens: int
+    max_chunk: int
+    export_id: str = field(default_factory=new_export_id)
+    timings: dict[str, float] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # weight file -> sha256, recorded in config.json
+    stage: Path = Path()  # the temporary directory the files are built in
+
+    @property
+    def cfg(self) -> Any:
+        return self.model.cfg
+
+    @property
+    def act(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def per_module(self) -> int:
+        """HAL devices each module drives: a pipeline's stages are one-device modules."""
+        return 1 if self.spec.pipeline else self.spec.devices
+
+    @property
+    def score_bs(self) -> list[int]:
+        return [1] if self.spec.score else []
+
+    @property
+    def sample_bs(self) -> list[int]:
+        """Sampling inside the module for every batch size whose logits it returns (one-device exports;
+        a pipeline or multi-device export samples on the host)."""
+        one = self.spec.devices == 1 and not self.spec.pipeline
+        return sorted(set(self.spec.batch_sizes) | set(self.spec.decode_batch_sizes)) if one else []
+
+
+def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike", *,
+                 weights: "WeightSource | str | None" = "model", tokenizer: "str | os.PathLike | None" = None,
+                 progress: Callable[[str], None] | None = None, force: bool = False) -> ExportResult:
+    """Export `model` (a dsv4 Transformer, for `spec`) into `out_dir`; see the module docstring.
+
+    `weights` says what goes into the .irpa: "model" (the model's own parameters), None (none:
+    `--no-weights`, config.json still names the files, see `dsv4 weights`), or a WeightSource called
+    with (inventory, FP8 dtype name) that yields (key, array, dtype name) one tensor at a time (random
     weights, a release checkpoint streamed shard by shard); with None or a source, `model` may be an
-    `empty_model` whose memory is never touched. Raises ExportError naming the failing stage (and op, when known);
-    `out_dir` is then unchanged (a compile log is kept beside it as ``<out_dir>.<target>.log``).
-    `devices` > 1 builds one module over that many devices (export/sharding.py: the layout, recorded
-    in config.json's "devices"); the weights are then stored per device. With `pipeline` the layers
-    are split into `devices` consecutive stages instead, one module per device (export/pipeline.py;
-    files model.stage<k>.<target>.vmfb, one .irpa for all). `batch_invariant` pads the GEMMs' rows to
-    a 16-row tile so GPU decode functions agree bit for bit (docs/batch-invariance.md; llvm-cpu is
-    invariant without it and not with it: ignored for llvm-cpu alone, refused beside a GPU target). Returns the config.json dict and per-stage timings (seconds)."""
+    `empty_model` whose memory is never touched. `tokenizer`: a tokenizer.json (or its directory) to
+    copy in. `force` replaces a non-empty `out_dir` that is not a dsv4 export. Raises ExportError
+    naming the failing stage (and op, when known); `out_dir` is then unchanged (a compile log is kept
+    beside it as ``<out_dir>.<target>.log``). Returns the config.json dict and per-stage timings (s)."""
     _compat.apply()
-    log = progress or (lambda s: None)
     t_all = time.perf_counter()
-    tgts, bs, dec_bs, min_tokens, max_chunk, n_slots = _validate(model, cfg, targets, batch_sizes,
-                                                                 decode_batch_sizes, max_chunk, n_slots)
+    run = _prepare(model, spec, Path(out_dir), weights, progress or (lambda s: None))
+    tok_src = _tokenizer_source(tokenizer)
     try:
-        if pipeline:
-            from .pipeline import check_pipeline
-
-            check_pipeline(cfg, devices)
-            if probe_topk:
-                raise ValueError("the top-k probe is not exported for pipeline stages")
-        else:
-            check_devices(cfg, devices)
+        check_out_dir(run.out, force=force)
     except ValueError as e:
         raise ExportError("validate", str(e)) from None
-    score_bs = [1] if score else []
-    if kernels:
-        from .model_kernels import kernel_help, resolve_choices
+    with staged_export(run.out, force=True) as stage:
+        run.stage = stage
+        config = _export_into(run, tok_src)
+    run.timings["total"] = time.perf_counter() - t_all
+    run.log(f"done in {run.timings['total']:.1f} s -> {run.out / 'config.json'}")
+    return ExportResult(run.out, config, run.timings)
 
-        try:
-            resolve_choices(kernels)
-        except ValueError as e:
-            raise ExportError("validate", f"{e}. {kernel_help()}") from None
-    tok_src = None
-    if tokenizer is not None:
-        tok_src = Path(tokenizer)
-        if tok_src.is_dir():
-            tok_src = tok_src / "tokenizer.json"
-        if not tok_src.is_file():
-            raise ExportError("validate", f"no tokenizer.json at {tok_src}")
+
+def _prepare(model: nn.Module, spec: ExportSpec, out: Path, weights: "WeightSource | str | None",
+             log: Callable[[str], None]) -> _Run:
+    """Check the model against the spec (ExportError "validate") and plan the lowering."""
+    from dsv4.model.model import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ExportError("validate", f"expected a dsv4 Transformer, got {type(model).__name__}")
+    if not isinstance(spec, ExportSpec):
+        raise ExportError("validate", f"expected an ExportSpec, got {type(spec).__name__}")
     model = model.eval()
-    act = model.dtype
-    if act not in STATE_DTYPE_NAMES:
-        raise ExportError("validate", f"unsupported activation dtype {act}")
-    picked = _default_kernels(kernels, tgts, routed_f32_bytes(cfg), batch_invariant)
-    out = Path(out_dir)
-    try:
-        check_out_dir(out, force=force)
-    except ValueError as e:
-        raise ExportError("validate", str(e)) from None
-    with staged_export(out, force=True) as stage:
-        config = _export_into(stage, out, model, cfg, act, tgts, bs, dec_bs, score_bs, min_tokens, max_chunk,
-                              n_slots, keep_mlir, tok_src, log, extra_flags, probe_topk, picked,
-                              weights, devices, pipeline)
-    timings = config.pop("_timings")
-    timings["total"] = time.perf_counter() - t_all
-    log(f"done in {timings['total']:.1f} s -> {out / 'config.json'}")
-    return ExportResult(out, config, timings)
+    spec.check_model(model.cfg, STATE_DTYPE_NAMES.get(model.dtype))
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ExportError("validate", f"parameter {name} has no data (meta tensor); load weights first")
+    min_tokens, max_chunk = spec.chunk_range(model.cfg)
+    return _Run(model, spec, plan_lowering(spec, model.cfg), out, log, weights, min_tokens, max_chunk)
 
 
-def _export_into(stage: Path, out: Path, model: nn.Module, cfg, act: torch.dtype, tgts: list[Target],
-                 bs: list[int], dec_bs: list[int], score_bs: list[int], min_tokens: int, max_chunk: int,
-                 n_slots: int, keep_mlir: bool, tok_src: Path | None, log: Callable[[str], None],
-                 extra_flags: Sequence[str], probe_topk: bool, kernels: dict[str, str],
-                 weights: "WeightSource | str | None", devices: int, pipeline: bool) -> dict[str, Any]:
-    """Build every file of the export in `stage` (the temporary directory); returns config.json's dict
-    (with the stage timings under "_timings", removed by the caller)."""
-    from dsv4.model.checkpoint.irpa import param_inventory
+def _tokenizer_source(tokenizer: "str | os.PathLike | None") -> Path | None:
+    if tokenizer is None:
+        return None
+    src = Path(tokenizer)
+    src = src / "tokenizer.json" if src.is_dir() else src
+    if not src.is_file():
+        raise ExportError("validate", f"no tokenizer.json at {src}")
+    return src
+
+
+def _parts(run: _Run) -> list[tuple[nn.Module, Mapping[str, Any], str, int | None]]:
+    """The modules to build: the whole model (over the spec's devices), or one per pipeline stage, each
+    as (model or Stage, its state spec, its name in the files, its stage index in config.json's state)."""
     from dsv4.model.state import StateLayout, state_spec
-    from dsv4.contract.weights import SHARD_BYTES
 
-    from .pipeline import Stage, pipeline_layout, stage_bounds
+    from .pipeline import Stage, stage_bounds
 
-    from .model_kernels import resolve_choices
+    cfg, n_slots = run.cfg, run.spec.n_slots
+    if not run.spec.pipeline:
+        return [(run.model, state_spec(cfg, n_slots, run.act), "", None)]
+    lay = StateLayout(cfg)
+    return [(Stage(run.model, a, b), lay.stage_spec(n_slots, run.act, a, b), f".stage{k}", k)
+            for k, (a, b) in enumerate(stage_bounds(cfg.n_layers, run.spec.devices))]
 
-    export_id = new_export_id()
-    timings: dict[str, float] = {}
-    choices = resolve_choices(kernels)  # each hot spot's lowering, recorded per target in config.json
-    gathered_kernel = choices["mxfp4_linear_gathered"] == "kernel"
-    # the modules to build: the whole model (over `devices` HAL devices), or one per pipeline stage,
-    # each as (model or Stage, its state spec, its name in the files, its name in config.json's state)
-    if pipeline:
-        layout_ = StateLayout(cfg)
-        parts = [(Stage(model, a, b), layout_.stage_spec(n_slots, act, a, b), f".stage{k}", k)
-                 for k, (a, b) in enumerate(stage_bounds(cfg.n_layers, devices))]
-    else:
-        parts = [(model, state_spec(cfg, n_slots, act), "", None)]
+
+def _fp8_groups(run: _Run) -> dict[str, list[Target]]:
+    """One MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8), the e4m3fn
+    group first whatever the targets' order: config.json's shared weights (and inventory) are then
+    always e4m3fn, and a second group's own files always e4m3fnuz."""
+    groups: dict[str, list[Target]] = {}
+    fp8 = _has_fp8(run.model)
+    for t in run.spec.targets:
+        groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
+    return dict(sorted(groups.items(), key=lambda kv: kv[0] != "default"))
+
+
+def _export_into(run: _Run, tok_src: Path | None) -> dict[str, Any]:
+    """Build every file of the export in `run.stage` (the temporary directory); returns config.json's dict."""
+    parts = _parts(run)
     state_list = [{"name": n if k is None else stage_state_name(k, n), "shape": list(shape),
                    "dtype": STATE_DTYPE_NAMES[dt]} for _, spec, _, k in parts for n, (shape, dt) in spec.items()]
-    # HAL devices each module drives, and the devices the weights are cut for: a pipeline's stages are
-    # one-device modules sharing the whole model's weights
-    per_module = 1 if pipeline else devices
-    # sampling inside the module for every batch size whose logits it returns (one-device exports; a
-    # pipeline or multi-device export samples on the host)
-    sample_bs = sorted(set(bs) | set(dec_bs)) if devices == 1 and not pipeline else []
-
-    # one MLIR + irpa per FP8 flavour the targets need (only when the weights are FP8)
-    groups: dict[str, list[Target]] = {}
-    fp8 = _has_fp8(model)
-    for t in tgts:
-        groups.setdefault("fnuz" if (fp8 and t.name in FNUZ_TARGETS) else "default", []).append(t)
-    # the e4m3fn group first, whatever the targets' order: config.json's shared weights (and inventory)
-    # are then always e4m3fn, and a second group's own files always e4m3fnuz (labelled below)
-    groups = dict(sorted(groups.items(), key=lambda kv: kv[0] != "default"))
     target_info: dict[str, dict[str, Any]] = {}
-    first_files: list[str] = []
-    first_specs: list[Any] = []
-    digests: dict[str, str] = {}  # weight file -> sha256, recorded in config.json
+    first: tuple[list[str], list[Any]] = ([], [])
+    groups = _fp8_groups(run)
     for gi, (flavour, gtargets) in enumerate(groups.items()):
         suffix = "" if gi == 0 else f".{flavour}"
         tag = "" if len(groups) == 1 else f"[{flavour}]"
-        log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {bs} (T in [{min_tokens}, {max_chunk}]), "
-            f"decode bs {dec_bs}, score bs {score_bs}, {n_slots} slots, {STATE_DTYPE_NAMES[act]}"
-            + (f", {devices} devices" if devices > 1 else "") + (" (pipeline stages)" if pipeline else ""))
-        with _fp8_dtype(model, flavour):
-            whole = param_inventory(model)  # what a weight source is asked for
-            specs = shard_inventory(whole, per_module)  # the vmfb's keys: per device when devices > 1
-            mlirs = []
-            for part, spec, name, k in parts:
-                mlir_path = stage / f"model{suffix}{name}.mlir"
-                if k is not None:
-                    log(f"pipeline stage {k}: layers [{part.first}, {part.last})")
-                with sharded(model, per_module):
-                    if k is None:
-                        _check_shards(param_inventory(model), specs)
-                    _build_mlir(part, spec, cfg, bs, dec_bs, score_bs, min_tokens, max_chunk, export_id, mlir_path,
-                                log, timings, tag + name, probe_topk, kernels, sample_bs)
-                mlirs.append((mlir_path, name))
-        files = _weights_stage(stage, f"model{suffix}", model, flavour, whole, specs, per_module, weights, out,
-                               log, timings, tag, digests)
+        _log_group(run, gtargets)
+        mlirs, whole, specs = _trace_group(run, parts, flavour, suffix, tag)
+        files = _weights_stage(run, f"model{suffix}", flavour, whole, specs, tag)
         if gi == 0:
-            first_files, first_specs = files, specs
+            first = (files, specs)
         for t in gtargets:
-            flags = list(extra_flags)
-            if t.name != "llvm-cpu" and gathered_kernel:
-                flags.append(GPU_REDUCTION_FLAG)  # the only pipeline that compiles it (compile.py)
-            vmfbs, flags_used, seconds = [], (), 0.0
-            for mlir_path, name in mlirs:
-                vmfb = stage / f"model{name}.{t.name}.vmfb"
-                log(f"compiling {t.label}{name} ...")
-                try:
-                    with _heartbeat(log, f"compiling {t.label}{name}"):
-                        res = compile_mlir(mlir_path, t.with_devices(per_module), vmfb, flags,
-                                           log_path=out.parent / f"{out.name}.{t.name}.log")
-                except CompileError as e:
-                    raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
-                timings[f"compile:{t.label}{name}"] = res.seconds
-                log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
-                vmfbs.append(vmfb.name)
-                flags_used, seconds = res.flags, seconds + res.seconds
-            info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
-                    "kernels": choices}
-            if pipeline:
-                info["stages"] = vmfbs
+            target_info[t.name] = _compile_target(run, t, mlirs)
             if suffix:  # this group's own weight files: the inventory with its FP8 dtype
-                info["parameters"] = files
-                info["fp8_dtype"] = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
-            target_info[t.name] = info
-        if not keep_mlir:
+                target_info[t.name].update(parameters=files, fp8_dtype=_fp8_name(flavour))
+        if not run.spec.keep_mlir:
             for mlir_path, _ in mlirs:
                 mlir_path.unlink(missing_ok=True)
+    config = _config(run, state_list, target_info, first, _copy_tokenizer(run.stage, tok_src))
+    write_config(run.stage, config)
+    return config
 
-    tok_name = None
-    if tok_src is not None:
-        shutil.copyfile(tok_src, stage / "tokenizer.json")
-        tc = tok_src.with_name("tokenizer_config.json")
-        if tc.is_file():
-            shutil.copyfile(tc, stage / "tokenizer_config.json")
-        tok_name = "tokenizer.json"
 
-    extra: dict[str, Any] = {f"sample_bs{n}": {"args": list(SAMPLE_ARGS), "results": ["ids"]} for n in sample_bs}
-    if probe_topk:
-        extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]), "results": ["logits", "topk...", "topk_scores..."]}
-    config = build_config(
-        model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[act], n_slots=n_slots, max_seq_len=cfg.max_seq_len,
-        prefill_batch_sizes=bs, min_tokens=min_tokens, max_tokens=max_chunk, decode_batch_sizes=dec_bs,
-        score_batch_sizes=score_bs, state=state_list, targets=target_info,
-        parameters=first_files, tokenizer=tok_name, bos_token_id=cfg.bos_token_id,
-        eos_token_ids=list(cfg.eos_ids), export_id=export_id, extra_functions=extra,
-        weights={"tensors": [t.to_json() for t in first_specs], "shard_bytes": SHARD_BYTES},
-        devices=pipeline_layout(cfg, devices) if pipeline else layout(cfg, devices) if devices > 1 else None,
-        sha256=digests)
-    write_config(stage, config)
-    return {**config, "_timings": timings}
+def _log_group(run: _Run, gtargets: list[Target]) -> None:
+    s = run.spec
+    run.log(f"exporting {'+'.join(t.label for t in gtargets)}: prefill bs {list(s.batch_sizes)} (T in "
+            f"[{run.min_tokens}, {run.max_chunk}]), decode bs {list(s.decode_batch_sizes)}, score bs {run.score_bs}, "
+            f"{s.n_slots} slots, {STATE_DTYPE_NAMES[run.act]}" + (f", {s.devices} devices" if s.devices > 1 else "")
+            + (" (pipeline stages)" if s.pipeline else ""))
+
+
+def _trace_group(run: _Run, parts: list[Any], flavour: str, suffix: str, tag: str
+                 ) -> tuple[list[tuple[Path, str]], list[Any], list[Any]]:
+    """Trace and import every module of one FP8 flavour; returns ([(mlir path, module name)], the whole
+    model's inventory (what a weight source is asked for), the vmfb's keys (per device when devices > 1))."""
+    from dsv4.model.checkpoint.irpa import param_inventory
+
+    with _fp8_dtype(run.model, flavour):
+        whole = param_inventory(run.model)
+        specs = shard_inventory(whole, run.per_module)
+        mlirs = []
+        for part, state, name, k in parts:
+            mlir_path = run.stage / f"model{suffix}{name}.mlir"
+            if k is not None:
+                run.log(f"pipeline stage {k}: layers [{part.first}, {part.last})")
+            with sharded(run.model, run.per_module):
+                if k is None:
+                    _check_shards(param_inventory(run.model), specs)
+                _build_mlir(run, part, state, mlir_path, tag + name)
+            mlirs.append((mlir_path, name))
+    return mlirs, whole, specs
+
+
+def _compile_target(run: _Run, t: Target, mlirs: list[tuple[Path, str]]) -> dict[str, Any]:
+    """Compile every module for target `t` with the plan's flags; returns its config.json entry."""
+    vmfbs, flags_used, seconds = [], (), 0.0
+    for mlir_path, name in mlirs:
+        vmfb = run.stage / f"model{name}.{t.name}.vmfb"
+        run.log(f"compiling {t.label}{name} ...")
+        try:
+            with _heartbeat(run.log, f"compiling {t.label}{name}"):
+                res = compile_mlir(mlir_path, t.with_devices(run.per_module), vmfb, list(run.plan.flags[t.name]),
+                                   log_path=run.out.parent / f"{run.out.name}.{t.name}.log")
+        except CompileError as e:
+            raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
+        run.timings[f"compile:{t.label}{name}"] = res.seconds
+        run.log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
+        vmfbs.append(vmfb.name)
+        flags_used, seconds = res.flags, seconds + res.seconds
+    info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
+            "kernels": dict(run.plan.kernels)}
+    if run.spec.pipeline:
+        info["stages"] = vmfbs
+    return info
+
+
+def _copy_tokenizer(stage: Path, tok_src: Path | None) -> str | None:
+    if tok_src is None:
+        return None
+    shutil.copyfile(tok_src, stage / "tokenizer.json")
+    tc = tok_src.with_name("tokenizer_config.json")
+    if tc.is_file():
+        shutil.copyfile(tc, stage / "tokenizer_config.json")
+    return "tokenizer.json"
+
+
+def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, dict[str, Any]],
+            first: tuple[list[str], list[Any]], tok_name: str | None) -> dict[str, Any]:
+    """config.json's dict (artifact.build_config); `first` = the first FP8 group's (files, inventory)."""
+    from dsv4.contract.weights import SHARD_BYTES
+
+    from .pipeline import pipeline_layout
+
+    cfg, spec = run.cfg, run.spec
+    extra: dict[str, Any] = {f"sample_bs{n}": {"args": list(SAMPLE_ARGS), "results": ["ids"]} for n in run.sample_bs}
+    if spec.probe_topk:
+        extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]),
+                                   "results": ["logits", "topk...", "topk_scores..."]}
+    devices = (pipeline_layout(cfg, spec.devices) if spec.pipeline else
+               layout(cfg, spec.devices) if spec.devices > 1 else None)
+    return build_config(
+        model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[run.act], n_slots=spec.n_slots,
+        max_seq_len=cfg.max_seq_len, prefill_batch_sizes=list(spec.batch_sizes), min_tokens=run.min_tokens,
+        max_tokens=run.max_chunk, decode_batch_sizes=list(spec.decode_batch_sizes), score_batch_sizes=run.score_bs,
+        state=state_list, targets=target_info, parameters=first[0], tokenizer=tok_name,
+        bos_token_id=cfg.bos_token_id, eos_token_ids=list(cfg.eos_ids), export_id=run.export_id,
+        extra_functions=extra, weights={"tensors": [t.to_json() for t in first[1]], "shard_bytes": SHARD_BYTES},
+        devices=devices, sha256=run.digests,
+        lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)})
+
+
+def _fp8_name(flavour: str) -> str:
+    return "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
 
 
 def _check_shards(traced: list[Any], specs: list[Any]) -> None:
@@ -671,28 +619,27 @@ def _check_shards(traced: list[Any], specs: list[Any]) -> None:
 WeightSource = Callable[[list[Any], str], Iterable[tuple[str, "np.ndarray", str]]]
 
 
-def _weights_stage(stage: Path, prefix: str, model: nn.Module, flavour: str, whole: list[Any], specs: list[Any],
-                   devices: int, weights: "WeightSource | str | None", out: Path, log: Callable[[str], None],
-                   timings: dict[str, float], tag: str, digests: dict[str, str]) -> list[str]:
+def _weights_stage(run: _Run, prefix: str, flavour: str, whole: list[Any], specs: list[Any], tag: str) -> list[str]:
     """Write one group's weight files (sharded, one tensor in memory at a time, each checked against
     the inventory `specs`) or, without weights, name the files `dsv4 weights random` will write. The
     model or a WeightSource gives the `whole` tensors, cut per device here (artifact.shard_tensors).
-    Each file's sha256 goes into `digests`."""
+    Each file's sha256 goes into `run.digests`."""
     from dsv4.contract.weights import SHARD_BYTES, checked, planned_names, write_shards
 
-    if weights is None:
+    if run.weights is None:
         files = planned_names(specs, prefix, SHARD_BYTES)
-        log(f"no weights written (--no-weights): `dsv4 weights random {out}` writes {len(files)} file(s)")
+        run.log(f"no weights written (--no-weights): `dsv4 weights random {run.out}` writes {len(files)} file(s)")
         return files
-    fp8 = "float8_e4m3fnuz" if flavour == "fnuz" else "float8_e4m3fn"
     t0 = time.perf_counter()
-    source = shard_tensors(_model_tensors(model, flavour) if weights == "model" else weights(whole, fp8), devices)
+    tensors = (_model_tensors(run.model, flavour) if run.weights == "model"
+               else run.weights(whole, _fp8_name(flavour)))
+    source = shard_tensors(tensors, run.per_module)
     total = sum(s.nbytes for s in specs)
     try:
-        files = write_shards(stage, checked(source, specs), prefix, SHARD_BYTES, progress=log, total_bytes=total,
-                             inventory=specs, digests=digests)
+        files = write_shards(run.stage, checked(source, specs), prefix, SHARD_BYTES, progress=run.log,
+                             total_bytes=total, inventory=specs, digests=run.digests)
     except ValueError as e:
         raise ExportError("weights", str(e)) from None
-    timings[f"weights{tag}"] = time.perf_counter() - t0
-    log(f"weights -> {len(files)} file(s), {total / 1e6:.1f} MB, {timings[f'weights{tag}']:.1f} s")
+    run.timings[f"weights{tag}"] = time.perf_counter() - t0
+    run.log(f"weights -> {len(files)} file(s), {total / 1e6:.1f} MB, {run.timings[f'weights{tag}']:.1f} s")
     return files

@@ -157,7 +157,7 @@ def test_failed_export_model_leaves_a_working_export_alone(tmp_path: Path, monke
     (out / "model.llvm-cpu.vmfb").write_text("old module")
     before = _snapshot(out)
 
-    def fake_build(model, spec, cfg, bs, dec, score, tmin, tmax, eid, mlir, *a, **k):
+    def fake_build(run, model, state_spec, mlir, tag):
         mlir.write_text("module {}")  # the weights stage then writes new shards into the stage
 
     def fake_compile(mlir, target, vmfb, extra=(), log_path=None):
@@ -172,14 +172,14 @@ def test_failed_export_model_leaves_a_working_export_alone(tmp_path: Path, monke
     cfg = ModelConfig.preset("tiny")
     model = Transformer(cfg, dtype=torch.float32)
     with pytest.raises(exporter.ExportError, match="compile:cuda"):
-        exporter.export_model(model, cfg, out, targets=["llvm-cpu", "cuda"], batch_sizes=[1])
+        exporter.export_model(model, exporter.ExportSpec(targets=["llvm-cpu", "cuda"], batch_sizes=[1]), out)
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.cuda.log"]  # the log is kept beside OUT
     user = tmp_path / "user"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
     with pytest.raises(exporter.ExportError, match="not a dsv4 export"):
-        exporter.export_model(model, cfg, user, targets=["llvm-cpu"], batch_sizes=[1])
+        exporter.export_model(model, exporter.ExportSpec(targets=["llvm-cpu"], batch_sizes=[1]), user)
     assert (user / "notes.txt").read_text() == "mine"
 
 
@@ -349,7 +349,7 @@ def test_each_weight_group_is_labelled_with_the_fp8_flavour_its_files_hold(order
     from dsv4.model.model import Transformer
     from dsv4.contract.weights import open_weights
 
-    monkeypatch.setattr(exporter, "_build_mlir", lambda *a, **k: a[9].write_text("module {}"))
+    monkeypatch.setattr(exporter, "_build_mlir", lambda run, model, state_spec, mlir, tag: mlir.write_text("module {}"))
     monkeypatch.setattr(exporter, "compile_mlir", lambda mlir, target, vmfb, extra=(), log_path=None: (
         Path(vmfb).write_text("module"), CompileResult(Path(vmfb), 0.0, ()))[1])
     cfg = ModelConfig.preset("tiny")
@@ -361,7 +361,7 @@ def test_each_weight_group_is_labelled_with_the_fp8_flavour_its_files_hold(order
             else:
                 p.copy_(torch.full(p.shape, 120, dtype=p.dtype) if p.dtype == torch.uint8 else torch.zeros(p.shape))
     model.layers[0].attn.wq_a.weight.data.view(torch.uint8)[0, 0] = 0x80  # -0: the code the formats disagree on
-    exporter.export_model(model, cfg, tmp_path / "out", targets=order, batch_sizes=[1], score=False)
+    exporter.export_model(model, exporter.ExportSpec(targets=order, batch_sizes=[1], score=False), tmp_path / "out")
     exp = ExportConfig.load(tmp_path / "out")
     held = {}
     for g in exp.weight_groups():

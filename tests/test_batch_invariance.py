@@ -55,7 +55,7 @@ def batchinv_export(request):
     """(model name, export dir); built once per source state and cached by tests/conftest.py."""
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     name = request.param
     if name == "embedded":  # the export tests/test_serve.py serves (same batch sizes, slots and chunk)
@@ -66,7 +66,7 @@ def batchinv_export(request):
 
     def build(out: Path) -> None:
         model = _model(name)
-        export_model(model, model.cfg, out, max_chunk=MODELS[name], **EXPORT_ARGS)
+        export_model(model, ExportSpec(max_chunk=MODELS[name], **EXPORT_ARGS), out)
 
     return name, cached_export(f"batchinv-{name}", build, [name, MODELS[name], sorted(EXPORT_ARGS.items())])
 

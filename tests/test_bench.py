@@ -22,11 +22,11 @@ def bench_export() -> Path:
     from conftest import cached_export
     from test_runtime import TINY_EXPORT_ARGS, TINY_SEED, _tiny_model
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     def build(out: Path) -> None:
         cfg, model = _tiny_model()
-        export_model(model, cfg, out, **TINY_EXPORT_ARGS)
+        export_model(model, ExportSpec(**TINY_EXPORT_ARGS), out)
 
     return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
 

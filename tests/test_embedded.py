@@ -86,10 +86,10 @@ def ppl_fp8(fp8_model, windows) -> float:
 def export_dir(fp8_model) -> Path:
     """The embedded checkpoint exported as `dsv4 export` does by default (cached), MLIR kept so
     the gfx942 (e4m3fnuz) graph can also be compiled for llvm-cpu and run here."""
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     def build(out: Path) -> None:
-        export_model(fp8_model, fp8_model.cfg, out, **EXPORT_ARGS, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+        export_model(fp8_model, ExportSpec(**EXPORT_ARGS), out, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
 
     weights = [EMBEDDED_CHECKPOINT / f for f in ("model.safetensors", "config.json", "tokenizer.json")]
     return cached_export("embedded", build, [*weights, sorted(EXPORT_ARGS.items())])
@@ -268,8 +268,8 @@ def test_export_cli_defaults_to_the_embedded_model(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_export(model, cfg, out, **kw):  # stop before the minutes of tracing
-        seen.update(cfg=cfg, tokenizer=kw.get("tokenizer"))
+    def fake_export(model, spec, out, **kw):  # stop before the minutes of tracing
+        seen.update(cfg=model.cfg, tokenizer=kw.get("tokenizer"))
         raise exporter.ExportError("trace:test", "stopped by the test")
 
     monkeypatch.setattr(exporter, "export_model", fake_export)

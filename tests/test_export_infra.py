@@ -26,7 +26,8 @@ from dsv4.export.compile import (
     resolve_target,
     vmfb_executables,
 )
-from dsv4.export.example_kernels import gather_rows, silu_mul
+from dsv4.model import kernels as mk
+from kernel_examples import EXAMPLES, gather_rows, silu_mul  # tests/kernel_examples.py
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 
 ensure_runtime_flags()  # before turbine's eager kernels create the local-task driver
@@ -69,13 +70,13 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     idx, slots, cache = torch.randint(0, N, (5,)), torch.arange(5), torch.zeros(S, D)
     dyn = {"idx": {0: K}, "cache": None, "slots": {0: K}}
     for impl in IMPLS:
-        with ko.impls(**{"*": impl}):
+        with ko.use_kernels({"*": impl}, EXAMPLES):
             fxb.export_program(
                 lambda m, idx, cache, slots: m(idx, cache, slots),
                 name=f"step_{impl}", args=(idx, cache, slots), dynamic_shapes=dyn, strict=False,
             )
     # A static-shape entry point reusing the same (dynamic-dim) kernel specialization.
-    with ko.impls(**{"*": "kernel"}):
+    with ko.use_kernels({"*": "kernel"}, EXAMPLES):
         fxb.export_program(
             lambda m, idx, cache, slots: m(idx, cache, slots),
             name="decode_kernel", args=(idx[:1], cache, slots[:1]), strict=False,
@@ -228,7 +229,7 @@ def _reference64(model: Tiny, idx: torch.Tensor, slots: torch.Tensor) -> tuple[n
     m64 = Tiny().double()
     m64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     cache = torch.zeros(S, D, dtype=torch.float64)
-    with torch.no_grad(), ko.impls(**{"*": "reference"}):
+    with torch.no_grad(), ko.use_kernels({"*": "reference"}, EXAMPLES):
         h = m64(idx, cache, slots)
     return h.numpy(), cache.numpy()
 
@@ -246,7 +247,7 @@ def test_cpu_reference_program_matches_eager_float64(exported: dict, cpu_module:
     assert scale > 0.1
     np.testing.assert_allclose(h, h64, rtol=0, atol=2e-6 * scale)
     # eager float32 is in the same error band, so the tolerance is a real one
-    with torch.no_grad(), ko.impls(**{"*": "reference"}):
+    with torch.no_grad(), ko.use_kernels({"*": "reference"}, EXAMPLES):
         h32 = exported["model"](idx, torch.zeros(S, D), slots).numpy()
     assert np.abs(h32 - h64).max() <= 2e-6 * scale
 
@@ -321,44 +322,50 @@ def test_kernel_eager_matches_reference() -> None:
     torch.manual_seed(1)
     table, idx = torch.randn(30, D), torch.randint(0, 30, (9,))
     gate, up = torch.randn(11, 24) * 3, torch.randn(11, 24) * 3
-    with ko.impls(gather_rows="kernel", silu_mul="kernel"):
+    with ko.use_kernels({"gather_rows": "kernel", "silu_mul": "kernel"}, EXAMPLES):
         assert torch.equal(gather_rows(table, idx), table[idx])
         got = silu_mul(gate, up, LIMIT)
         got_bf16 = silu_mul(gate.bfloat16(), up.bfloat16(), LIMIT)
-    ref64 = silu_mul.reference(gate.double(), up.double(), LIMIT)
+    ref64 = EXAMPLES["silu_mul"].reference(gate.double(), up.double(), LIMIT)
     torch.testing.assert_close(got.double(), ref64, rtol=0, atol=2e-6)
     assert got_bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(got_bf16, silu_mul.reference(gate.bfloat16(), up.bfloat16(), LIMIT), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(got_bf16, EXAMPLES["silu_mul"].reference(gate.bfloat16(), up.bfloat16(), LIMIT), rtol=1e-2, atol=1e-3)
 
 
-def test_impl_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ko.current_impl("gather_rows") == "reference"
-    with ko.impls(gather_rows="kernel"):
-        assert ko.current_impl("gather_rows") == "kernel"
-        assert ko.current_impl("silu_mul") == "reference"
-    assert ko.current_impl("gather_rows") == "reference"
-    with pytest.raises(ValueError, match="no implementation"):
-        ko.set_impl("gather_rows", "triton")
-    with pytest.raises(KeyError):
-        ko.set_impl("no_such_op", "kernel")
-    monkeypatch.setenv(ko.ENV_VAR, "*=kernel")
-    assert ko.current_impl("silu_mul") == "kernel"
-    monkeypatch.setenv(ko.ENV_VAR, "silu_mul=bogus")
-    with pytest.raises(ValueError):
-        ko.current_impl("silu_mul")
-    monkeypatch.delenv(ko.ENV_VAR)
+def test_impl_switch() -> None:
+    """One switch (model/kernels `overrides`, which use_kernels drives): a hook runs what it is routed
+    to inside the block and its reference again after; a bad choice fails before anything runs."""
+    table, idx = torch.randn(4, D), torch.tensor([1, 3])
+    with mk.overrides({"gather_rows": lambda t, i: "routed"}, EXAMPLES):
+        assert gather_rows(table, idx) == "routed"
+        assert torch.equal(silu_mul(table, table, 0.0), EXAMPLES["silu_mul"].reference(table, table, 0.0))
+        with ko.use_kernels({"gather_rows": "reference"}, EXAMPLES):  # nested: the inner choice wins
+            assert torch.equal(gather_rows(table, idx), table[idx])
+        assert gather_rows(table, idx) == "routed"
+    assert torch.equal(gather_rows(table, idx), table[idx])
+    with pytest.raises(ValueError, match="no implementation 'triton'"):
+        with ko.use_kernels({"gather_rows": "triton"}, EXAMPLES):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel op 'no_such_op'"):
+        with ko.use_kernels({"no_such_op": "kernel"}, EXAMPLES):
+            pass
+    with pytest.raises(KeyError, match="gather_rows"):  # not a model hook
+        with mk.overrides({"gather_rows": lambda t, i: t}):
+            pass
+    kernel = ko.implementation(EXAMPLES["gather_rows"], "kernel")
     with pytest.raises(ValueError, match="rank 1"):
-        gather_rows.kernel(torch.randn(4, D), torch.zeros(2, 2, dtype=torch.int64))
+        kernel(torch.randn(4, D), torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(TypeError, match="dtype"):
-        gather_rows.kernel(torch.randn(4, D), torch.zeros(2))
+        kernel(torch.randn(4, D), torch.zeros(2))
 
 
-def test_kernel_op_spec_validation() -> None:
+def test_kernel_spec_validation() -> None:
     with pytest.raises(ValueError, match="no argument defines"):
-        ko.KernelOp("bad_op_1", lambda x: x, args={"x": "T"}, results={"y": "T, Q"})
+        mk.Kernel.declare("bad_op_1", lambda x: x, args={"x": "T"}, results={"y": "T, Q"})
     with pytest.raises(ValueError, match="static dims"):
-        ko.KernelOp("bad_op_2", lambda x: x, args={"x": "T"}, results={"y": "T"}, static=("Z",))
-    assert "bad_op_1" not in ko.KERNEL_OPS
+        mk.Kernel.declare("bad_op_2", lambda x: x, args={"x": "T"}, results={"y": "T"}, static=("Z",))
+    with pytest.raises(ValueError, match="reuse 'reference'"):
+        mk.Kernel.declare("bad_op_3", lambda x: x, alternatives={"kernel": lambda x: x})
 
 
 def test_export_package_import_has_no_side_effects() -> None:

@@ -27,7 +27,7 @@ from conftest import cached_export
 
 import dsv4.export  # noqa: F401  (compat shim)
 from dsv4.export.compile import vmfb_executables
-from dsv4.export.exporter import ExportError, export_model
+from dsv4.export.exporter import ExportError, ExportSpec, export_model
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.topk import record_topk
@@ -56,7 +56,7 @@ def tiny_model() -> Transformer:
 def art() -> dict:
     """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model."""
     cache = cached_export("export-model",
-                          lambda out: export_model(tiny_model(), tiny_cfg(), out, **EXPORT_ARGS, progress=print),
+                          lambda out: export_model(tiny_model(), ExportSpec(**EXPORT_ARGS), out, progress=print),
                           [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
     cfg = json.loads((cache / "config.json").read_text())
     mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], [cache / f for f in cfg["parameters"]])
@@ -114,7 +114,8 @@ def test_config_abi(art):
     c = art["config"]
     assert set(c) == {"format", "version", "model", "activation_dtype", "n_slots", "max_seq_len", "prefill",
                       "decode", "state", "functions", "targets", "parameters", "tokenizer", "bos_token_id",
-                      "eos_token_ids", "export_id", "weights"}
+                      "eos_token_ids", "export_id", "weights", "lowering"}
+    assert c["lowering"] == {"batch_invariant": False, "overrides": {}}
     assert c["format"] == "dsv4-iree-export" and c["version"] == 1 and c["activation_dtype"] == "float32"
     assert c["prefill"] == {"batch_sizes": [1, 4], "min_tokens": 16, "max_tokens": MAX_CHUNK}
     assert c["decode"] == {"batch_sizes": [1, 4]}
@@ -256,38 +257,34 @@ def small_model() -> Transformer:
 
 def test_unknown_target(small_model, tmp_path):
     with pytest.raises(ExportError, match=r"validate.*unknown compile target 'gfx9000'.*valid targets"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("gfx9000",))
+        export_model(small_model, ExportSpec(targets=("gfx9000",)), tmp_path)
 
 
 @pytest.mark.parametrize("bs", [(0,), (1, -4), ()])
 def test_bad_batch_sizes(small_model, tmp_path, bs):
     with pytest.raises(ExportError, match="batch sizes must be integers >= 1"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), batch_sizes=bs)
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), batch_sizes=bs), tmp_path)
 
 
-def test_config_mismatch(small_model, tmp_path):
-    with pytest.raises(ExportError, match=r"different config.*vocab_size.*mismatch"):
-        export_model(small_model, tiny_cfg().replace(vocab_size=1024), tmp_path, targets=("llvm-cpu",))
+def test_model_spec_mismatch(small_model, tmp_path):
+    with pytest.raises(ExportError, match=r"not the one the spec describes: max_seq_len 4096 \(the model has"):
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), max_seq_len=4096), tmp_path)
 
 
 def test_bad_chunk_and_slots(small_model, tmp_path):
     with pytest.raises(ExportError, match=r"max_chunk 8 must be in \[16"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), max_chunk=8)
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), max_chunk=8), tmp_path)
     with pytest.raises(ExportError, match="n_slots 2 is smaller than the largest batch size 4"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), n_slots=2)
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), n_slots=2), tmp_path)
     with pytest.raises(ExportError, match="n_slots 4 is smaller than the largest batch size 8"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), decode_batch_sizes=(1, 8), n_slots=4)
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), decode_batch_sizes=(1, 8), n_slots=4), tmp_path)
     with pytest.raises(ExportError, match="decode batch sizes must be integers >= 1"):
-        export_model(small_model, tiny_cfg(), tmp_path, targets=("llvm-cpu",), decode_batch_sizes=(0, 4))
+        export_model(small_model, ExportSpec(targets=("llvm-cpu",), decode_batch_sizes=(0, 4)), tmp_path)
 
 
 def test_default_slots_cover_decode_batch_sizes():
     """Without --n-slots the state holds as many slots as the widest call of either kind."""
-    from dsv4.export.exporter import _validate
-
-    m = Transformer(tiny_cfg(), dtype=torch.float32)
-    *_, n_slots = _validate(m, tiny_cfg(), ["llvm-cpu"], (1, 4), (1, 4, 16), None, None)
-    assert n_slots == 16
+    assert ExportSpec(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_sizes=(1, 4, 16)).n_slots == 16
 
 
 def _quantized_tiny(quant_sim: bool = False, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -350,59 +347,3 @@ def test_cli_reports_stage_and_reason(tmp_path, capsys):
     assert "export stage 'validate' failed: batch sizes must be integers >= 1" in capsys.readouterr().err
     assert main(["export", "--preset", "tiny", "--kernel", "moe_experts=kernel", "-o", str(tmp_path)]) == 2
     assert "kernel op 'moe_experts' has no implementation 'kernel'" in capsys.readouterr().err
-
-
-def test_default_kernel_choices_per_target_set():
-    """llvm-cpu-only exports read the routed experts in place (no per-block weight copy) when one
-    layer's experts in f32 pass GATHER_COPY_LIMIT (Flash, not the embedded default); an export
-    with a GPU target keeps the gather (its compile of the in-place kernel needs a flag that changes
-    every reduction). Sparse attention's declared export lowering is its kernel (the reference's cuda
-    lowering made NaN rows at Flash dimensions), and so is grouped_linear's (wo_a: 1.6x a Flash-4 prefill on the
-    H200, docs/performance.md); explicit choices and '*' are left alone."""
-    from dsv4.export.compile import check_target
-    from dsv4.export.exporter import GATHER_COPY_LIMIT, _default_kernels, routed_f32_bytes
-    from dsv4.export.model_kernels import resolve_choices
-    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
-    from dsv4.model.config import ModelConfig
-
-    cpu, cuda, gfx = check_target("llvm-cpu"), check_target("cuda"), check_target("gfx942")
-    flash = ModelConfig.preset("flash")
-    assert routed_f32_bytes(flash) == 4 * 3 * 256 * 2048 * 4096  # 25.8 GB a layer
-    small = load_checkpoint(EMBEDDED_CHECKPOINT, weights=False).cfg
-    assert routed_f32_bytes(small) < GATHER_COPY_LIMIT < routed_f32_bytes(flash)
-    BIG = routed_f32_bytes(flash)
-    assert _default_kernels(None, [cpu], BIG) == {"mxfp4_linear_gathered": "kernel"}
-    assert _default_kernels(None, [cpu], routed_f32_bytes(small)) == {}
-    for tgts in ([cpu], [cpu, cuda], [cpu, gfx], [cuda], [gfx, cuda]):  # [cpu, gfx]: the main job's export
-        choices = resolve_choices(_default_kernels(None, tgts, BIG))
-        assert choices["sparse_attention"] == "kernel" and choices["grouped_linear"] == "kernel"
-    assert _default_kernels(None, [cpu, cuda], BIG) == {}
-    assert _default_kernels({"mxfp4_linear_gathered": "reference"}, [cpu], BIG) == {"mxfp4_linear_gathered": "reference"}
-    assert _default_kernels({"*": "reference"}, [cpu], BIG) == {"*": "reference"}
-    assert _default_kernels({"sparse_attention": "reference"}, [cuda], BIG) == {"sparse_attention": "reference"}
-    assert _default_kernels({"*": "reference"}, [cuda], BIG) == {"*": "reference"}
-
-
-def test_batch_invariant_export_pads_the_gemm_rows():
-    """--batch-invariant picks the kernel_rows16 form of every op that offers it (the dense GEMMs: the
-    FP8 linears and f32_linear) and the routed experts' f32 form, and leaves sparse attention at its
-    kernel (bitwise across cuda batch sizes, docs/numerics.md) and wo_a at the einsum that check ran
-    with (grouped_linear's kernel is the default otherwise); an explicit --kernel choice wins."""
-    from dsv4.export.compile import check_target
-    from dsv4.export.exporter import _default_kernels, routed_f32_bytes
-    from dsv4.model.config import ModelConfig
-
-    cuda = check_target("cuda")
-    BIG = routed_f32_bytes(ModelConfig.preset("flash"))
-    assert _default_kernels(None, [cuda], BIG, batch_invariant=True) == {
-        "fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
-        "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32",
-        "grouped_linear": "reference"}  # sparse attention: its kernel, the op's default
-    picked = _default_kernels({"f32_linear": "reference"}, [cuda], BIG, batch_invariant=True)
-    assert picked["f32_linear"] == "reference" and picked["fp8_block_linear"] == "kernel_rows16"
-    # llvm-cpu: bitwise at decode batch 1/4/8/16 without the row tiles, not with them (measured,
-    # docs/numerics.md), so the flag leaves an llvm-cpu export alone and refuses a mixed one
-    cpu = check_target("llvm-cpu")
-    assert _default_kernels(None, [cpu], BIG, batch_invariant=True) == _default_kernels(None, [cpu], BIG)
-    with pytest.raises(ExportError, match="llvm-cpu and a GPU target"):
-        _default_kernels(None, [cpu, cuda], BIG, batch_invariant=True)

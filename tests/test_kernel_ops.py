@@ -1,7 +1,7 @@
-"""The model's hot spots (the registry in model/kernels, its op table export/model_kernels.py),
+"""The model's hot spots (the registry in model/kernels, their lowering table export/lowering.py),
 each compiled alone vs its torch reference.
 
-For every op: the per-op switch routes the model hook through the KernelOp; each available
+For every op: the per-op switch (use_kernels) routes the model hook to an implementation; each available
 implementation is exported (dynamic token dim), compiled for llvm-cpu and gfx942, and the
 llvm-cpu module is run on random inputs against the eager reference. The eager reference itself is
 checked to be untouched when no override is installed. One module per op holds one entry point
@@ -18,7 +18,7 @@ from torch import nn
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executables
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
-from dsv4.export.model_kernels import MODEL_OPS, use_kernels
+from dsv4.export.kernel_op import use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.quant.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
@@ -180,13 +180,14 @@ CASES = _cases()
 
 
 def test_every_hot_spot_has_an_op():
-    """The op table and the CLI help are derived from the registry: nothing to list by hand."""
-    from dsv4.export.model_kernels import kernel_help
+    """Every declared kernel has a case here and a row in the lowering table, which the CLI help is made from."""
+    from dsv4.export.lowering import RULES, kernel_help
 
-    assert set(MODEL_OPS) == set(mk.KERNELS) == set(mk.HOOKS) == set(CASES)
+    assert set(RULES) == set(mk.KERNELS) == set(mk.HOOKS) == set(CASES)
     help_text = kernel_help()
-    for name, op in MODEL_OPS.items():
-        assert f"{name}={'|'.join(op.impl_names)}" in help_text
+    for name, rule in RULES.items():
+        assert rule.default == "kernel" or f"{name}={rule.default}" in help_text
+        assert rule.batch_invariant is None or f"{name}={rule.batch_invariant}" in help_text
     sa = mk.KERNELS["sparse_attention"]
     assert sa.mlir is not None and sa.mlir.name == "sparse_attention.mlir.jinja"
     assert "util.func private @{{kernel_name}}" in sa.mlir_template()
@@ -237,8 +238,8 @@ def test_op_compiled_vs_reference(name, tmp_path):
     with torch.no_grad():
         want = model(*args)
         wants = {}  # weight_only is another function on purpose (no activation quantization): eager runs it too
-        if "weight_only" in MODEL_OPS[name].alternatives:
-            with mk.overrides({name: MODEL_OPS[name].alternatives["weight_only"]}):
+        if "weight_only" in mk.KERNELS[name].alternatives:
+            with mk.overrides({name: mk.KERNELS[name].alternatives["weight_only"]}):
                 wants["weight_only"] = model(*args)
             assert (wants["weight_only"] - want).abs().max() > 1e-4, f"{name}: weight_only equals the reference"
     aot.externalize_module_parameters(model, external_scope="model")
@@ -246,7 +247,7 @@ def test_op_compiled_vs_reference(name, tmp_path):
     fxb = aot.FxProgramsBuilder(model)
     T = torch.export.Dim("T", min=2, max=64)
     # topk's reference is a stable sort, which IREE 3.13 does not lower (aten.sort.stable): eager only
-    impls = [i for i in MODEL_OPS[name].impl_names if (name, i) != ("topk", "reference")]
+    impls = [i for i in mk.KERNELS[name].impls if (name, i) != ("topk", "reference")]
     dyn = {f"a{i}": None if ax is None else {ax: T} for i, ax in enumerate(axes)}
     for impl in impls:
         with torch.no_grad(), use_kernels({name: impl}):

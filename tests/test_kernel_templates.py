@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dsv4.export  # noqa: F401  (the compat shim turbine needs)
-from dsv4.export.model_kernels import use_kernels
+from dsv4.export.kernel_op import use_kernels
 from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import (
     f32_linear,

@@ -289,7 +289,7 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
     grouped, static), and the compiled module equals eager (the all-experts reference) on a
     prefill with a length-0 row, a decode batch with padding rows and a single decode. About 3-6
     minutes on the shared 2-core box (3 traced programs + llvm-cpu compile)."""
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.runtime.module import IreeModule, ensure_runtime_flags
     from dsv4.model.kernels import moe as moe_mod
 
@@ -300,13 +300,12 @@ def test_compiled_llvm_cpu_matches_eager(tmp_path, monkeypatch):
         calls.append(1)
         return real(x, *a, **kw)
 
-    from dsv4.export.model_kernels import MODEL_OPS
+    from dsv4.model.kernels import KERNELS
 
-    monkeypatch.setitem(MODEL_OPS["moe_experts"].alternatives, "routed", counting)  # what export traces
+    monkeypatch.setitem(KERNELS["moe_experts"].alternatives, "routed", counting)  # what export traces
     model = _two_layer_fp4_model()
     cfg = model.cfg
-    res = export_model(model, cfg, tmp_path, targets=("llvm-cpu",), batch_sizes=(2,), max_chunk=32, n_slots=8,
-                       decode_batch_sizes=(1, 8), score=False)
+    res = export_model(model, ExportSpec(targets=("llvm-cpu",), batch_sizes=(2,), max_chunk=32, n_slots=8, decode_batch_sizes=(1, 8), score=False), tmp_path)
     assert len(calls) == 3 * cfg.n_layers, calls  # 3 programs x the backbone's MoE layers
     ensure_runtime_flags()
     c = res.config
@@ -413,7 +412,7 @@ def test_prefill_moe_never_copies_expert_weights(tmp_path):
     from iree.turbine import aot
 
     import dsv4.export  # noqa: F401  (compat shim)
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
 
     g = torch.Generator().manual_seed(5)
     E, d, inter, k = 8, 128, 256, 2

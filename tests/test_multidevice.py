@@ -35,7 +35,7 @@ def _cfg() -> ModelConfig:
 def _export(n: int, pipeline: bool = False) -> Path:
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.model.model import empty_model
     from dsv4.contract.random_weights import random_tensors
 
@@ -44,9 +44,7 @@ def _export(n: int, pipeline: bool = False) -> Path:
     targets = ["llvm-cpu", "gfx942"] if n == 2 and not pipeline else ["llvm-cpu"]
 
     def build(d: Path) -> None:
-        export_model(empty_model(cfg, torch.float32), cfg, d, targets=targets, batch_sizes=[1], score=False,
-                     keep_mlir=n == 2 and not pipeline, devices=n, pipeline=pipeline,
-                     weights=lambda specs, fp8: random_tensors(specs, cfg.to_dict(), SEED))
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=targets, batch_sizes=[1], score=False, keep_mlir=n == 2 and not pipeline, devices=n, pipeline=pipeline), d, weights=lambda specs, fp8: random_tensors(specs, cfg.to_dict(), SEED))
 
     if pipeline:
         return cached_export(f"pipeline{n}", build, ["pipeline", n, SEED, targets, cfg.to_dict()])
@@ -149,15 +147,15 @@ def test_two_device_module_compiles_for_gfx942(multidev_exports: dict[int, Path]
 
 
 def test_devices_that_do_not_divide_fail_before_tracing(tmp_path: Path) -> None:
-    from dsv4.export.exporter import ExportError, export_model
+    from dsv4.export.exporter import ExportError, ExportSpec, export_model
     from dsv4.model.model import empty_model
 
     cfg = ModelConfig.preset("tiny")  # 4 heads, 2 o_groups, 8 experts
     with pytest.raises(ExportError, match="validate.*cannot split this model over 3 devices: 3 does not divide "
                                           "attention heads"):
-        export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=3)
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], devices=3), tmp_path / "x")
     with pytest.raises(ExportError, match="o_groups = 2"):
-        export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=4)
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], devices=4), tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
@@ -404,14 +402,14 @@ def test_random_weights_of_a_pipeline_export_are_the_whole_models(tmp_path: Path
 
 
 def test_pipeline_requests_that_cannot_work_fail_before_tracing(tmp_path: Path) -> None:
-    from dsv4.export.exporter import ExportError, export_model
+    from dsv4.export.exporter import ExportError, ExportSpec, export_model
     from dsv4.model.model import empty_model
 
     cfg = ModelConfig.preset("tiny")  # 4 layers
-    for n, msg in ((5, "cannot split 4 layers into 5 pipeline stages"), (1, "at least 2 devices")):
+    for n, msg in ((5, "cannot split 4 layers into 5 pipeline stages"), (1, "--pipeline needs --devices N with N >= 2")):
         with pytest.raises(ExportError, match=msg):
-            export_model(empty_model(cfg, torch.float32), cfg, tmp_path / "x", targets=["llvm-cpu"], devices=n,
-                         pipeline=True)
+            export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], devices=n, pipeline=True),
+                         tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 

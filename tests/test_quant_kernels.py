@@ -32,7 +32,7 @@ from torch import nn
 
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executables
-from dsv4.export.model_kernels import use_kernels
+from dsv4.export.kernel_op import use_kernels
 from dsv4.model.quant import sim as quant_sim
 from dsv4.model.quant.formats import dequant_fp8_block, dequant_mxfp4, fp8_fn_to_fnuz
 from dsv4.model.kernels.linear import (
@@ -385,7 +385,7 @@ def test_quantized_decode_graph_holds_kernels_not_their_math():
     i64 = torch.int64
     args = (torch.zeros(1, 1, dtype=i64), torch.zeros(1, dtype=i64), torch.ones(1, dtype=i64),
             torch.zeros(1, dtype=i64), state)
-    # the kernels of a Flash-size llvm-cpu export (export/exporter.py _default_kernels: experts read in place)
+    # the kernels of a Flash-size llvm-cpu export (export/lowering.py: experts read in place)
     with torch.no_grad(), use_kernels({"mxfp4_linear_gathered": "kernel"}), _no_stack_traces():
         ep = fxb.export_program(_program(_Entry.step), name="decode_bs1", args=args, strict=False)
     ops = Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")

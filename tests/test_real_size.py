@@ -55,14 +55,13 @@ def test_empty_model_of_full_flash_costs_address_space_not_memory() -> None:
 @pytest.fixture(scope="module")
 def noweights_export() -> Path:
     """tiny in the release format (FP8 + MXFP4), exported from an empty model with weights=None."""
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.model.model import empty_model
 
     cfg = ModelConfig.preset("tiny")
 
     def build(d: Path) -> None:
-        export_model(empty_model(cfg, torch.float32), cfg, d, targets=["llvm-cpu"], batch_sizes=[1],
-                     score=False, keep_mlir=True, weights=None)
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], batch_sizes=[1], score=False, keep_mlir=True), d, weights=None)
 
     return cached_export("noweights-tiny", build, ["noweights", cfg.to_dict()])
 
@@ -91,15 +90,14 @@ def test_no_weights_export_has_config_and_vmfb_and_a_full_inventory(noweights_ex
 def weight_only_export() -> Path:
     """tiny in the release format, fp32, --quant-sim off, every quantized linear as its `weight_only`
     alternative; no weights at export, `dsv4 weights random` makes them (the GPU-host flow)."""
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.model.model import empty_model
     from dsv4.cli import main
 
     cfg = ModelConfig.preset("tiny", quant_sim=False)
 
     def build(d: Path) -> None:
-        export_model(empty_model(cfg, torch.float32), cfg, d, targets=["llvm-cpu"], batch_sizes=[1],
-                     score=False, weights=None, kernels={"*": "weight_only"})
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], batch_sizes=[1], score=False, kernels={"*": "weight_only"}), d, weights=None)
         assert main(["weights", "random", str(d), "--seed", "5"]) == 0
 
     return cached_export("weightonly-tiny", build, ["weight_only", cfg.to_dict()])

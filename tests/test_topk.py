@@ -154,7 +154,7 @@ def test_radix_compiled_alone(tmp_path):
         def forward(self, x, y):
             return topk_radix(x, 512), topk_radix(y, 6)
 
-    from dsv4.export.model_kernels import use_kernels
+    from dsv4.export.kernel_op import use_kernels
 
     R, N = torch.export.Dim("R", min=1, max=256), torch.export.Dim("N", min=512, max=65536)
     fxb = aot.FxProgramsBuilder(M())
@@ -207,7 +207,7 @@ def k512(tmp_path_factory) -> dict:
     """The transformers checkpoint loaded and exported once (cached by tests/conftest.py; slow)."""
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.model.checkpoint import load_checkpoint
 
     def build(out: Path) -> None:
@@ -215,8 +215,7 @@ def k512(tmp_path_factory) -> dict:
         _hf_checkpoint(hf)
         with pytest.warns(UserWarning, match="no mtp"):
             model = load_checkpoint(hf, dtype=torch.float32, overrides=OURS)
-        export_model(model, model.cfg, out, targets=("llvm-cpu",), batch_sizes=(1,), max_chunk=CHUNK,
-                     n_slots=1, score=False, probe_topk=True, keep_mlir=True, progress=print)
+        export_model(model, ExportSpec(targets=("llvm-cpu",), batch_sizes=(1,), max_chunk=CHUNK, n_slots=1, score=False, probe_topk=True, keep_mlir=True), out, progress=print)
         shutil.copytree(hf, out / "hf")
 
     cache = cached_export("topk512", build, [ROOT / "tests" / "test_hf_parity.py",

@@ -521,11 +521,11 @@ def _tiny_q_model(seed: int, tmp: Path):
 def q_export(tmp_path_factory) -> Path:
     from conftest import cached_export
 
-    from dsv4.export.exporter import export_model
+    from dsv4.export.exporter import ExportSpec, export_model
 
     def build(out: Path) -> None:
         model = _tiny_q_model(1, tmp_path_factory.mktemp("init"))
-        export_model(model, model.cfg, out, **_Q_EXPORT_ARGS, progress=print)
+        export_model(model, ExportSpec(**_Q_EXPORT_ARGS), out, progress=print)
 
     return cached_export("weights-tiny-q", build, [1, sorted(_Q_EXPORT_ARGS.items())])
 

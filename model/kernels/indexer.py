@@ -17,7 +17,7 @@ from .topk import topk_indices
 @kernel("indexer_scores", args={"q": "B, T, Hi, Di", "w": "B, T, Hi", "keys": "B, R, Di"},
         results={"scores": "B, T, R"}, static=("Hi", "Di", "R"),
         dtypes={"q": (torch.float32, torch.bfloat16), "w": (torch.float32, torch.bfloat16), "keys": (torch.float32, torch.bfloat16)},
-        mlir="indexer.mlir.jinja", trace_sizes=("T",), export="kernel")
+        mlir="indexer.mlir.jinja", trace_sizes=("T",))
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B,T,Hi,di], w [B,T,Hi], keys [B,R,di] -> scores [B,T,R] (input dtype). The kernel sums in f32 and
     rounds once; it pads a prefill's query rows so GPUs run the dots on the matrix cores (indexer.mlir.jinja)."""

@@ -147,7 +147,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants=_GEMMS, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only}, export="kernel")
+        mlir_variants=_GEMMS, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
 
@@ -161,7 +161,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
 
 @kernel("mxfp4_linear", args={"x": "..., K", "packed": "N, KP", "scale": "N, KS"}, results={"y": "..., N"},
         static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]}, mlir=_MLIR,
-        mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only}, export="kernel")
+        mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only})
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
 
@@ -176,7 +176,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
 
 @kernel("f32_linear", args={"x": "..., K", "weight": "N, K"}, results={"y": "..., N"}, static=("N", "K"),
         dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja",
-        mlir_variants=_ROWS16, trace_sizes=("...",), export="kernel")
+        mlir_variants=_ROWS16, trace_sizes=("...",))
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T in float32 for a float weight: the router gate, the compressors' projections and the
     mHC mixes, which the reference runs in fp32 on a bf16 activation. The kernel keeps the operands
@@ -186,8 +186,7 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @kernel("grouped_linear", args={"x": "..., G, K", "weight": "G, N, K"}, results={"y": "..., G, N"},
-        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",),
-        export="kernel")
+        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",))
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
     wo_a, spec §3): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in f32 and pads a
@@ -221,8 +220,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 @kernel("fp8_block_linear_stacked", args={"x": "E, M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), alternatives={"weight_only": _fp8_weight_only},
-        export="kernel")
+        mlir=_MLIR, mlir_variants=_GEMMS, trace_sizes=("E", "M"), alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear per expert: x [E, M, K], weight [E, N, K] FP8, scale [E, ceil(N/128), ceil(K/128)]
     -> [E, M, N] in x.dtype; out[e] == fp8_block_linear(x[e], weight[e], scale[e]) up to fp32 summation order."""
@@ -233,8 +231,7 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
-        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only},
-        export="kernel")
+        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only})
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
@@ -247,7 +244,7 @@ _EAGER_DECODE_BYTES = 2 << 30
 
 @kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
-        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR, export="reference")
+        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR)
 def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).

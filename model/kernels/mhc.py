@@ -15,7 +15,7 @@ from . import kernel
 
 
 @kernel("hc_sinkhorn", args={"comb": "..., N, N", "iters": int, "eps": float}, results={"y": "..., N, N"},
-        static=("N",), dtypes={"comb": (torch.float32,)}, mlir="mhc.mlir.jinja", export="kernel")
+        static=("N",), dtypes={"comb": (torch.float32,)}, mlir="mhc.mlir.jinja")
 def hc_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb [..., n, n] fp32 (positive) -> columns normalized, then iters-1 rounds of rows, columns;
     each step x / (sum + eps)."""

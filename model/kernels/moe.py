@@ -219,4 +219,4 @@ def routed_moe() -> ContextManager[None]:
 
 # The hot spot: eager (and the tests' oracle) runs the all-experts reference; `dsv4 export` traces
 # the routed form unless `--kernel moe_experts=reference` asks for the reference.
-moe_experts = kernel("moe_experts", alternatives={"routed": moe_experts_routed}, export="routed")(moe_experts_reference)
+moe_experts = kernel("moe_experts", alternatives={"routed": moe_experts_routed})(moe_experts_reference)

@@ -73,21 +73,21 @@ def block_qdq(xb: torch.Tensor, fp4: bool) -> torch.Tensor:
 
 
 @kernel("fp8_qdq", args={"x": "B, S, H, D", "block": int}, results={"y": "B, S, H, D"}, static=("D",),
-        dtypes={"x": _F}, mlir=_MLIR, export="kernel")
+        dtypes={"x": _F}, mlir=_MLIR)
 def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-`block` FP8 e4m3 quantize->dequantize of the last dim with pow2 scales (amax floor 1e-4), x.dtype out."""
     return block_qdq(x.float().unflatten(-1, (-1, block)), fp4=False).reshape(x.shape).to(x.dtype)
 
 
 @kernel("fp4_qdq", args={"x": "B, S, H, D", "block": int}, results={"y": "B, S, H, D"}, static=("D",),
-        dtypes={"x": _F}, mlir=_MLIR, export="kernel")
+        dtypes={"x": _F}, mlir=_MLIR)
 def fp4_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-`block` FP4 e2m1 quantize->dequantize of the last dim with pow2 scales (amax floor 6*2^-126), x.dtype out."""
     return block_qdq(x.float().unflatten(-1, (-1, block)), fp4=True).reshape(x.shape).to(x.dtype)
 
 
 @kernel("hadamard", args={"x": "B, S, H, D"}, results={"y": "B, S, H, D"}, static=("D",), dtypes={"x": _F},
-        mlir=_MLIR, export="kernel")
+        mlir=_MLIR)
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Normalized Walsh-Hadamard transform of the last dim (scale n^-0.5), fp32 math, input dtype out."""
     n = x.shape[-1]

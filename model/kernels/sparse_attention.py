@@ -27,7 +27,7 @@ _F = (torch.float32, torch.bfloat16)
         args={"q": "B, T, H, D", "kv": "B, N, D", "idx": "B, T, K", "sink": "H", "scale": float},
         results={"out": "B, T, H, D"}, static=("H", "D"),
         dtypes={"q": _F, "kv": _F, "idx": (torch.int64,), "sink": (torch.float32,)},
-        mlir="sparse_attention.mlir.jinja", export="kernel")
+        mlir="sparse_attention.mlir.jinja")
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""

@@ -38,7 +38,7 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
 
 
 @kernel("radix_threshold", args={"key": "R, N", "k": int}, results={"t": "R, 1"}, dtypes={"key": (torch.int64,)},
-        result_dtypes={"t": torch.int64}, mlir="topk.mlir.jinja", export="kernel")
+        result_dtypes={"t": torch.int64}, mlir="topk.mlir.jinja")
 def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
     """Step 1 of topk_radix: per row of order keys [R, N] (int64 in [0, 2^32)), the largest t with
     count(key >= t) >= k, bisected bit by bit (32 rounds of one compare + one float32 count). A hot
@@ -129,7 +129,7 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
-        result_dtypes={"indices": torch.int64}, alternatives={"radix": topk_radix}, export="radix")
+        result_dtypes={"indices": torch.int64}, alternatives={"radix": topk_radix})
 def topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] (int64) of the k largest entries along the last dim, largest first, ties by index."""
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]

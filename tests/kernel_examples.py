@@ -1,5 +1,6 @@
-"""Two small hot spots defined with ``kernel_op``: the prototypes behind the style comparison in
-``kernel_op``'s docstring, the tests, and a template for the model's real kernels.
+"""Two small hot spots for the kernel machinery's tests (tests/test_export_infra.py), declared as the
+model's are (``dsv4.model.kernels.Kernel``) but in their own registry, ``EXAMPLES``, so the model's
+kernel table stays the model's. Route them with ``use_kernels(choices, registry=EXAMPLES)``.
 
 * ``gather_rows(table[N, D], idx[K]) -> [K, D]``: row gather (embedding lookup, KV gather);
   ``D`` is specialized into the kernel, ``N`` and ``K`` stay dynamic.
@@ -13,9 +14,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernel_op import kernel_op
+from dsv4.model.kernels import Kernel, hook
 
-__all__ = ["gather_rows", "silu_mul"]
+__all__ = ["EXAMPLES", "gather_rows", "silu_mul"]
+
+EXAMPLES: dict[str, Kernel] = {}
+
+
+def kernel_op(*, mlir: str, **spec):
+    """Declare the decorated reference in EXAMPLES, with its MLIR template given as text."""
+
+    def wrap(ref):
+        EXAMPLES[ref.__name__] = Kernel.declare(ref.__name__, ref, mlir=mlir, **spec)
+        return hook(ref.__name__, ref)
+
+    return wrap
 
 GATHER_ROWS_MLIR = """
 util.func private @{{kernel_name}}(%table: {{table_type}}, %idx: {{idx_type}}) -> {{out_type}} {

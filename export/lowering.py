@@ -1,0 +1,163 @@
+"""The lowering policy: which implementation every hot spot gets in an export, and the compile flags
+that choice implies, decided in one place (`plan_lowering`) from one table (`RULES`).
+
+A hot spot (model/kernels, ``Kernel``) offers implementations: its torch reference, torch alternatives,
+its MLIR kernel and the kernel's variants. An export traces one of them per op:
+
+1. the op's ``default`` (why each is what it is: the comment on its row);
+2. on a GPU export with ``--batch-invariant``, the op's ``batch_invariant`` form: the GEMMs pad their
+   rows to a 16-row tile (kernel_rows16) so a GPU runs one GEMM schedule for every decode batch size
+   (docs/batch-invariance.md). llvm-cpu is batch-invariant without them and not with them, so an
+   llvm-cpu-only export ignores the flag (and ExportSpec refuses llvm-cpu beside a GPU target with it);
+3. on an llvm-cpu-only export whose routed experts pass GATHER_COPY_LIMIT a layer in f32, the op's
+   ``cpu_big_experts`` form: reading the experts in place instead of gathering them first (the gather
+   makes IREE write an f32 copy of every routed block's weights, 27 GB per Flash layer for a 100-token
+   prefill; at the embedded default's size the gather is 2x faster). GPU targets keep the gather:
+   their compile of the in-place kernel needs a flag that changes every reduction (``gpu_flags``);
+4. the user's ``--kernel OP=IMPL`` choices on top ('*=IMPL' first, for every op offering IMPL, then
+   the named ops): an explicit choice always wins.
+
+config.json records the result per target ("kernels", and the flags in "flags"); ``--kernel``'s help
+is generated from the same table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from dsv4.model import kernels as mk
+
+from .compile import GPU_REDUCTION_FLAG
+
+if TYPE_CHECKING:
+    from .spec import ExportSpec
+
+__all__ = ["GATHER_COPY_LIMIT", "LoweringPlan", "RULES", "Rule", "kernel_help", "plan_lowering",
+           "resolve_kernels", "routed_f32_bytes"]
+
+# an llvm-cpu-only export reads the routed experts in place when one layer's routed experts would take
+# more than this in f32 (the gather's copy is about that large per prefill call); below it the gather
+# is faster (docs/performance.md: 2x llvm-cpu prefill on the embedded default)
+GATHER_COPY_LIMIT = 1 << 30
+
+
+def routed_f32_bytes(cfg: Any) -> int:
+    """One layer's routed expert weights (w1, w3, w2) in f32: what gathering them before the GEMM copies."""
+    return 4 * 3 * cfg.n_routed_experts * cfg.moe_intermediate_size * cfg.hidden_size
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One op's lowering: `default` everywhere, unless a condition below names another implementation."""
+
+    default: str
+    batch_invariant: str | None = None  # a GPU export with --batch-invariant
+    cpu_big_experts: str | None = None  # an llvm-cpu-only export with routed experts over GATHER_COPY_LIMIT
+    gpu_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # impl -> flags a GPU compile needs
+
+
+RULES: dict[str, Rule] = {
+    "radix_threshold": Rule("kernel"),
+    "topk": Rule("radix"),  # exact radix select: dodges an IREE miscompile of the reference's lowering
+    "indexer_scores": Rule("kernel"),
+    "fp8_qdq": Rule("kernel"),
+    "fp4_qdq": Rule("kernel"),
+    "hadamard": Rule("kernel"),
+    "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16"),
+    "mxfp4_linear": Rule("kernel"),
+    "f32_linear": Rule("kernel", batch_invariant="kernel_rows16"),
+    # wo_a: the kernel is 1.6x a Flash-4 prefill on the H200; batch-invariant exports keep the einsum,
+    # the form cuda's bitwise check ran with
+    "grouped_linear": Rule("kernel", batch_invariant="reference"),
+    "fp8_block_linear_stacked": Rule("kernel", batch_invariant="kernel_rows16"),
+    # the f32 form's one-row (bs1) and 16-row-block (bs8+) GEMMs agree bit for bit; the bf16 GEMM's do not
+    "mxfp4_linear_stacked": Rule("kernel", batch_invariant="kernel_f32"),
+    # reductions that gather fail in ReductionVectorDistribution on GPU targets: the flag turns it off
+    "mxfp4_linear_gathered": Rule("reference", cpu_big_experts="kernel",
+                                  gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)}),
+    "hc_sinkhorn": Rule("kernel"),
+    "moe_experts": Rule("routed"),  # reads only the selected experts' weights
+    # the reference's cuda lowering made NaN rows at Flash dimensions; bitwise across cuda batch sizes
+    "sparse_attention": Rule("kernel"),
+}
+
+
+def _check_rules() -> None:
+    """Every declared kernel has a row, and every row names implementations its kernel offers."""
+    if set(RULES) != set(mk.KERNELS):
+        raise RuntimeError(f"export/lowering.py RULES and the declared kernels differ: "
+                           f"{sorted(set(RULES) ^ set(mk.KERNELS))}")
+    for name, rule in RULES.items():
+        for impl in (rule.default, rule.batch_invariant, rule.cpu_big_experts, *rule.gpu_flags):
+            if impl is not None:
+                mk.KERNELS[name].check_impl(impl)
+
+
+_check_rules()
+
+
+def resolve_kernels(choices: Mapping[str, str] | None = None, registry: Mapping[str, mk.Kernel] | None = None,
+                    base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{op: implementation} for every op of `registry` (default: the model's): `base` (default: the
+    table's defaults; 'reference' for another registry), then `choices` ('*' first, for every op that
+    offers the implementation, then the named ops). Unknown ops or implementations raise ValueError."""
+    reg = mk.KERNELS if registry is None else registry
+    if base is None:
+        base = {n: r.default for n, r in RULES.items()} if reg is mk.KERNELS else {}
+    out = {n: base.get(n, "reference") for n in reg}
+    choices = dict(choices or {})
+    star = choices.pop("*", None)
+    if star is not None:
+        offering = [n for n, k in reg.items() if star in k.impls]
+        if not offering:
+            raise ValueError(f"no kernel op offers implementation {star!r} ('*={star}')")
+        out.update({n: star for n in offering})
+    for name, impl in choices.items():
+        if name not in reg:
+            raise ValueError(f"unknown kernel op {name!r}; ops: {', '.join(reg)}")
+        reg[name].check_impl(impl)
+        out[name] = impl
+    return out
+
+
+@dataclass(frozen=True)
+class LoweringPlan:
+    """What an export traces and compiles with: `kernels` {op: implementation} (every op) and `flags`
+    {target name: the compile flags beyond the target's own: the spec's extra flags, then those the
+    chosen implementations need}."""
+
+    kernels: Mapping[str, str]
+    flags: Mapping[str, tuple[str, ...]]
+
+
+def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
+    """The lowering of every op for `spec`'s targets and options on the model `cfg` (module docstring)."""
+    gpu = any(t.name != "llvm-cpu" for t in spec.targets)
+    big = not gpu and routed_f32_bytes(cfg) > GATHER_COPY_LIMIT
+    base = {}
+    for name, rule in RULES.items():
+        picked = rule.batch_invariant if gpu and spec.batch_invariant else None
+        picked = picked or (rule.cpu_big_experts if big else None)
+        base[name] = picked or rule.default
+    kernels = resolve_kernels(dict(spec.kernels), base=base)
+    flags = {}
+    for t in spec.targets:
+        implied = [f for n, i in kernels.items() for f in RULES[n].gpu_flags.get(i, ())] if t.name != "llvm-cpu" else []
+        flags[t.name] = tuple(dict.fromkeys([*spec.extra_flags, *implied]))
+    return LoweringPlan(kernels, flags)
+
+
+def kernel_help() -> str:
+    """`dsv4 export --kernel`'s help, from RULES: the usual implementation, the exceptions, the conditions."""
+    usual = Counter(r.default for r in RULES.values()).most_common(1)[0][0]
+    odd = ", ".join(f"{n}={r.default}" for n, r in RULES.items() if r.default != usual)
+
+    def when(attr: str) -> str:
+        return ", ".join(f"{n}={getattr(r, attr)}" for n, r in RULES.items() if getattr(r, attr))
+
+    return (f"lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong OP or IMPL "
+            f"lists the choices). Plan (export/lowering.py): {usual} for every op but {odd}; on a GPU with "
+            f"--batch-invariant {when('batch_invariant')}; on llvm-cpu alone with routed experts over 1 GiB a "
+            f"layer in f32 {when('cpu_big_experts')}")
