@@ -75,7 +75,7 @@ class ExportSpec:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen: normalize once, here)
-        set_("targets", self._checked_targets())
+        # plain values first: they need neither the compiler (the targets' preflight) nor torch (the kernels)
         set_("batch_sizes", _sizes("batch sizes", self.batch_sizes))
         set_("decode_batch_sizes", _sizes("decode batch sizes", self.decode_batch_sizes or self.batch_sizes))
         widest = max(self.batch_sizes + self.decode_batch_sizes)
@@ -83,9 +83,15 @@ class ExportSpec:
         if self.n_slots < widest:
             _fail(f"n_slots {self.n_slots} is smaller than the largest batch size {widest} "
                   "(slots within one call must be distinct)")
+        self._check_options()
+        set_("targets", self._checked_targets())
+        if self.batch_invariant and "llvm-cpu" in (names := {t.name for t in self.targets}) and len(names) > 1:
+            _fail("--batch-invariant cannot serve llvm-cpu and a GPU target in one export: the row-tiled GEMMs "
+                  "that make a GPU's decode batch-invariant make llvm-cpu's batch-dependent "
+                  "(docs/numerics.md). Export llvm-cpu without the flag (it is batch-invariant by "
+                  "default) and the GPU target(s) separately with it")
         set_("kernels", self._checked_kernels())
         set_("extra_flags", tuple(self.extra_flags))
-        self._check_options()
 
     def _checked_targets(self) -> tuple[Target, ...]:
         if isinstance(self.targets, (str, Target)) or not self.targets:
@@ -116,12 +122,6 @@ class ExportSpec:
             _fail("--pipeline needs --devices N with N >= 2 (the number of stages)")
         if self.pipeline and self.probe_topk:
             _fail("the top-k probe is not exported for pipeline stages")
-        names = {t.name for t in self.targets}
-        if self.batch_invariant and "llvm-cpu" in names and len(names) > 1:
-            _fail("--batch-invariant cannot serve llvm-cpu and a GPU target in one export: the row-tiled GEMMs "
-                  "that make a GPU's decode batch-invariant make llvm-cpu's batch-dependent "
-                  "(docs/batch-invariance.md). Export llvm-cpu without the flag (it is batch-invariant by "
-                  "default) and the GPU target(s) separately with it")
         if self.dtype is not None and self.dtype not in DTYPES:
             _fail(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_chunk is not None and (not isinstance(self.max_chunk, int) or self.max_chunk < 1):

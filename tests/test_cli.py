@@ -248,10 +248,10 @@ def test_export_of_a_missing_checkpoint_fails_first_and_without_torch(tmp_path: 
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--devices", "0"], "devices must be an integer >= 1, got 0"),
     (["--pipeline"], "--pipeline needs --devices N"),
-    (["--layers", "0"], "--layers must be >= 1"),
-    (["--batch-sizes", "0,4"], "batch sizes must be >= 1"),
+    (["--layers", "0"], "layers must be a positive integer, got 0"),
+    (["--batch-sizes", "0,4"], "batch sizes must be integers >= 1"),
 ])
 def test_export_config_errors_come_before_torch(tmp_path: Path, args: list[str], says: str) -> None:
     r = _dsv4("export", "--preset", "tiny", "--target", "llvm-cpu", *args, "-o", str(tmp_path / "o"), no_torch=True)

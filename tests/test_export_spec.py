@@ -81,7 +81,7 @@ def test_defaults_are_filled_in_and_the_spec_is_frozen():
 def test_the_target_preflight_runs_once(monkeypatch, tmp_path):
     """`dsv4 export` preflights each target once, in the spec: neither the CLI nor the exporter again."""
     import dsv4.export.exporter as exporter
-    from dsv4.runtime.cli import main
+    from dsv4.cli import main
 
     real, calls = spec_mod.check_target, []
     monkeypatch.setattr(spec_mod, "check_target", lambda t: calls.append(t) or real(t))
@@ -98,7 +98,7 @@ def test_the_target_preflight_runs_once(monkeypatch, tmp_path):
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    from dsv4.export.cli import add_parser
+    from dsv4.cli.export import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -117,8 +117,12 @@ def test_from_args_maps_every_cli_option():
                                                                                       2, True)
     assert [t.label for t in s.targets] == ["cuda"]
     assert [t.name for t in ExportSpec.from_args(_cli(["-o", "x"])).targets] == ["gfx942"]
+    with pytest.raises(SystemExit):  # the command line refuses it while parsing
+        _cli(["--kernel", "topk", "-o", "x"])
+    args = _cli(["-o", "x"])
+    args.kernel = ["topk"]  # a namespace built by other code
     with pytest.raises(ExportError, match="--kernel expects OP=IMPL, got 'topk'"):
-        ExportSpec.from_args(_cli(["--kernel", "topk", "-o", "x"]))
+        ExportSpec.from_args(args)
 
 
 def test_check_model_compares_the_model_with_the_spec():
