@@ -1,7 +1,7 @@
 """Compile exported MLIR to IREE vmfb modules for our three targets.
 
 Targets are plain data (``TARGETS``) so CI, benchmarks and the exporter CLI all agree on one set
-of flags; the choices are measured in ``docs/export-notes.md`` and ``shared/docs/iree-notes.md``:
+of flags; the choices are measured in ``docs/export.md`` (Targets and flags; IREE 3.13 traps):
 
 * ``gfx942`` (default, MI300): ``--iree-hal-target-device=hip --iree-rocm-target=gfx942``.
   ``--iree-hip-target`` no longer exists in compiler 3.13. We deliberately do NOT pass
@@ -23,7 +23,7 @@ of flags; the choices are measured in ``docs/export-notes.md`` and ``shared/docs
   cuda shared-memory screen (tests/test_topk.py) flags 33 reduction kernels of the k512 graph that
   store and load shared memory without a barrier, so it is not a default. The default gathers the
   selected experts first (an f32 copy of every routed block's expert weight: 27 GB per Flash layer for a
-  100-token prefill; docs/real-size.md).
+  100-token prefill; docs/kernels.md, The lowering plan).
 
 `check_target` rejects what cannot work before any tracing: unknown names, CUDA archs compiler
 3.13 lacks (a table, with the advice to use sm_89), and anything else iree-compile refuses on a
@@ -76,7 +76,7 @@ HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
 # alone, are exact. Issuing the commands in order on one CUDA stream did not help, and a static screen
 # finds no overlapping accesses inside a concurrent region, so the culprit is the other schedule's
 # command order or transient layout; not pinned down. With `debug` the step is eager-close, and it
-# was not slower on the H200 (docs/real-size.md, session 12). The CPU target keeps IREE's default:
+# was not slower on the H200 (docs/performance.md, GPU faults found and fixed). The CPU target keeps IREE's default:
 # the llvm-cpu runs never showed it.
 PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 
@@ -178,7 +178,7 @@ def resolve_target(spec: "str | Target | None" = None) -> Target:
     return target.with_arch(arch) if arch else target
 
 
-# CUDA archs compiler 3.13 accepts (iree-notes: sm_90/sm_100 give "missing GPU target" after the
+# CUDA archs compiler 3.13 accepts (docs/export.md, IREE 3.13 traps: sm_90/sm_100 give "missing GPU target" after the
 # whole compile; hopper/h100 are unknown names)
 CUDA_ARCHS = ("sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_120",
               "a100", "ampere", "ada", "turing", "rtx4090")

@@ -26,7 +26,7 @@ temporary directory beside ``out_dir`` and moved into place only when complete, 
 re-export leaves a working export as it was; a non-empty directory that is not a dsv4 export is
 refused unless ``force``.
 
-Why these choices (measured in docs/export-notes.md): FxProgramsBuilder with externalized
+Why these choices (measured in docs/export.md): FxProgramsBuilder with externalized
 parameters (one parameter scope shared by all entry points; tracing needs shapes only, so the model
 may be an `empty_model`), strict=False tracing with the state writes functionalized in place
 (export/functionalize.py) instead of turbine's whole-graph decomposition retrace, each hot spot's
@@ -126,7 +126,7 @@ class _Entry(nn.Module):
 
     def topk_probe(self, tokens, start_pos, lengths, slots, state):
         """prefill + the indices of every top-k in the graph, then the scores each one ranked (parity
-        tests of iree-notes §6 bug 6: indices must be the exact top-k of the graph's own scores)."""
+        tests of docs/export.md, IREE 3.13 traps: indices must be the exact top-k of the graph's own scores)."""
         from dsv4.model.kernels.topk import record_topk
 
         with record_topk() as rec:

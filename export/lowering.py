@@ -7,7 +7,7 @@ its MLIR kernel and the kernel's variants. An export traces one of them per op:
 1. the op's ``default`` (why each is what it is: the comment on its row);
 2. on a GPU export with ``--batch-invariant``, the op's ``batch_invariant`` form: the GEMMs pad their
    rows to a 16-row tile (kernel_rows16) so a GPU runs one GEMM schedule for every decode batch size
-   (docs/batch-invariance.md). llvm-cpu is batch-invariant without them and not with them, so an
+   (docs/numerics.md). llvm-cpu is batch-invariant without them and not with them, so an
    llvm-cpu-only export ignores the flag (and ExportSpec refuses llvm-cpu beside a GPU target with it);
 3. on an llvm-cpu-only export whose routed experts pass GATHER_COPY_LIMIT a layer in f32, the op's
    ``cpu_big_experts`` form: reading the experts in place instead of gathering them first (the gather

@@ -1,4 +1,4 @@
-"""Lightning-indexer hook: score compressed entries and select the top-k per query (spec §2.6).
+"""Lightning-indexer hook: score compressed entries and select the top-k per query (docs/model.md, Forward pass).
 
 score[t, j] = sum_h w[t, h] * relu(q[t, h] · k[j]) over entries j < n_visible[t]; the k best
 visible entries are returned as indices (-1 where fewer than k are visible). The product runs

@@ -1,4 +1,4 @@
-"""Linear layers over the checkpoint's weight formats (the FP8 block GEMM hook, spec §6).
+"""Linear layers over the checkpoint's weight formats (the FP8 block GEMM hook, docs/model.md, Reference numerics).
 
 `linear(x, weight, scale)` dispatches on the weight's storage dtype:
   - bf16/fp32 weight, scale None: a plain matmul in x's dtype;
@@ -13,7 +13,7 @@ partial sum (the reference's "2x accumulation") is the same math; only fp32 summ
 
 Export-friendly by construction: weight bytes are decoded with integer ops and a float32 bitcast
 (formats.fp8_decode / e2m1_decode), never a float8 -> float cast (which gfx942 cannot compile without
-the emulation flag, iree-notes §5); no `.item()`, no branches on tensor values; shape checks use
+the emulation flag, docs/export.md, IREE 3.13 traps); no `.item()`, no branches on tensor values; shape checks use
 static shapes only. Export does not trace these references by default: each quantized linear is
 one kernel op (quant.mlir.jinja, docs/kernels.md), so `linear` / `stacked_linear` validate formats
 and shapes before calling the hook (the kernel itself checks nothing).
@@ -65,7 +65,7 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # "kernel_rows16" (the FP8 linears and f32_linear): the dequantized GEMM's rows zero-padded to the next multiple
 # of 16 above the row count (16 rows -> 32: a pad of none folds away and changes the fusion around the GEMM),
 # so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
-# (`dsv4 export --batch-invariant`; docs/batch-invariance.md)
+# (`dsv4 export --batch-invariant`; docs/numerics.md)
 _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
@@ -74,7 +74,7 @@ _MXFP4_GEMMS = {"kernel_bf16": {"gemm": "bf16"}, "kernel_f32": {"gemm": "f32"}}
 
 
 def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Activation quantize->dequantize as the reference's act_quant (spec §6), float32 out.
+    """Activation quantize->dequantize as the reference's act_quant (docs/model.md, Reference numerics), float32 out.
 
     Per token, per `block` of the last dim: s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(x / s)
     (RNE, saturating), returns q * s. A ragged last block is quantized over its own elements (zero
@@ -96,7 +96,7 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
 # and spreads through the next layers' roundings; on a random-weight Flash two correct paths (eager
 # prefilled in one chunk or two) end up percents apart. Without it (and with --quant-sim off) the model
 # is a continuous function and two implementations agree to their summation order, which is what
-# `dsv4 export --kernel '*=weight_only'` + bench/compiled_vs_eager.py checks (docs/real-size.md).
+# `dsv4 export --kernel '*=weight_only'` + bench/compiled_vs_eager.py checks (docs/numerics.md).
 
 
 # One function per format serves both the [N, K] and the stacked [E, N, K] hooks (matmul broadcasts).
@@ -149,7 +149,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
         mlir_variants=_GEMMS, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T for an FP8 block-quantized weight, reference numerics (spec §6).
+    """y = x @ W^T for an FP8 block-quantized weight, reference numerics (docs/model.md, Reference numerics).
 
     x [..., K] bf16/fp32; weight [N, K] float8_e4m3fn or float8_e4m3fnuz (decoded per its dtype);
     scale [ceil(N/128), ceil(K/128)] E8M0 uint8 (or float8_e8m0fnu) or float32. fp32 GEMM, x.dtype out.
@@ -163,7 +163,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
         static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]}, mlir=_MLIR,
         mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only})
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (spec §6).
+    """y = x @ W^T for an MXFP4 expert weight, as the reference fp4_gemm (docs/model.md, Reference numerics).
 
     x [..., K]; packed uint8/int8 [N, K/2] (low nibble = element 2i); scale E8M0 uint8 [N, K/32].
     The activation is FP8-quantized per 128-K block; the FP4 weight is decoded in-kernel with bit ops
@@ -189,10 +189,10 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",))
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
-    wo_a, spec §3): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in f32 and pads a
-    prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja): on the H200 a Flash-4 prefill of
-    8 rows fills 1.6x faster with it, decode the same (session 23). Session 20 made it opt-in after a
-    non-finite decode row; that fault was sparse attention's (K not a multiple of 16, session 22)."""
+    wo_a, docs/model.md, Forward pass): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in
+    f32 and pads a prefill's rows so GPUs run it on the matrix cores (grouped.mlir.jinja): on the H200 a
+    Flash-4 prefill of 8 rows fills 1.6x faster with it, decode the same (docs/performance.md). A non-finite
+    decode row once blamed on it was sparse attention's (K not a multiple of 16)."""
     if weight.dtype != x.dtype or weight.dim() != 3 or x.shape[-2:] != (weight.shape[0], weight.shape[2]):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} ([..., G, K] and [G, N, K] of one dtype)")

@@ -1,4 +1,4 @@
-"""mHC hot spot: the Sinkhorn normalization of the residual-mixing matrix (spec §2.1).
+"""mHC hot spot: the Sinkhorn normalization of the residual-mixing matrix (docs/model.md, Forward pass).
 
 hc_pre turns each token's n x n `comb` logits into a (nearly) doubly stochastic matrix: softmax over
 the last dim + eps, then one column normalization and `iters - 1` rounds of rows-then-columns. With

@@ -1,4 +1,4 @@
-"""MoE expert hook: routed SwiGLU experts weighted by the gate (spec §2.8).
+"""MoE expert hook: routed SwiGLU experts weighted by the gate (docs/model.md, Forward pass).
 
 Reference semantics: every token runs its top-k experts; g = w1 x, u = w3 x in fp32, clamped
 (g <= L, |u| <= L), a = silu(g) * u * weight, out = w2(a in the activation dtype), summed in fp32.
@@ -117,7 +117,7 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
     reductions only. A static P (decode, at most batch x top-k) one P x P count; a dynamic one (a
     prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
     P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200
-    (session 19).
+    (docs/kernels.md, The routed MoE).
     Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
     sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at batch 64 on the H200,
     docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE 3.13's cuda backend
@@ -172,7 +172,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * P static and P <= E (decode): each pair gathers its expert's packed weights (P expert
         reads, P rows: exactly the routed FLOPs);
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
-        no sort/topk: iree-notes §6.6), each expert's rows padded to a multiple of `block`,
+        no sort/topk: docs/export.md, IREE 3.13 traps), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
         multiplies `block` rows (default GROUP_BLOCK, PREFILL_GROUP_BLOCK when P is dynamic).
         Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.

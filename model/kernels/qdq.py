@@ -1,4 +1,4 @@
-"""In-graph quantize->dequantize (value domain) with power-of-two block scales (spec §6).
+"""In-graph quantize->dequantize (value domain) with power-of-two block scales (docs/model.md, Reference numerics).
 
 The roundings the reference simulates: e4m3 (FP8) for the linears' activations and the KV nope
 dims, e2m1 (FP4) for the indexer's queries and keys, and the Walsh-Hadamard transform in front of
@@ -9,7 +9,7 @@ the torch references live here so the kernels can be declared beside them (`fp8_
 Rounding is written with arithmetic (floor/log2/round) instead of dtype casts: it is bit-identical
 to torch's round-to-nearest-even casts (tests/test_model_modules.py sweeps every code), and unlike
 an f32->f8 cast it lowers the same way on every IREE target (llvm-cpu flushes part of the e4m3
-subnormal band to zero and gfx942 has no native OCP e4m3; see iree-notes §5). The MLIR kernels run
+subnormal band to zero and gfx942 has no native OCP e4m3; see docs/export.md, IREE 3.13 traps). The MLIR kernels run
 the same float ops (amax, the divisions, round-half-even, the products) but take the powers of two
 from exponent bits: IREE's llvm-cpu exp2 is a polynomial, so the traced reference, compiled, missed
 eager in 25 % of fp32 fp8_qdq outputs; the kernels equal eager bitwise, in one graph node instead

@@ -1,4 +1,4 @@
-"""Sparse attention hook: gather the selected KV rows, sink-aware softmax, P·V (spec §2.2).
+"""Sparse attention hook: gather the selected KV rows, sink-aware softmax, P·V (docs/model.md, Forward pass).
 
 One K=V head of width D shared by all H query heads. Each query attends to the rows of `kv` named
 by `idx` (-1 = no row). The attention sink adds exp(sink_h) to the softmax denominator and
@@ -16,11 +16,11 @@ _F = (torch.float32, torch.bfloat16)
 
 # Exports lower this op as its MLIR kernel. The traced reference's lowering (IREE fusing the gather and
 # einsums below) returned NaN rows from Flash's first HCA layer on cuda in some builds (the last row of
-# decode_bs40/48/64), and no build with the kernel did (docs/real-size.md, sessions 12 and 16). It costs
+# decode_bs40/48/64), and no build with the kernel did (docs/performance.md, GPU faults). It costs
 # the H200 decode time (Flash-4: +1.2 ms at batch 1, +3-4 % at 8-64; docs/performance.md); on llvm-cpu
-# it is as fast (embedded default, docs/performance.md session 17). Compiled alone, the kernel itself
+# it is as fast (embedded default, docs/performance.md). Compiled alone, the kernel itself
 # returns a batch's last row non-finite on cuda when K is not a multiple of 16 (the reference was right
-# there): the model pads idx (model.pad_selection; bench/sparse_attention_rows.py, session 22).
+# there): the model pads idx (model.pad_selection; `git show a7b70ea:bench/sparse_attention_rows.py`).
 
 
 @kernel("sparse_attention",
@@ -40,7 +40,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     # Batch invariance: rows (b, t) are merged into ONE dynamic dim n before the reductions. With
     # separate b and t, IREE folds b away when B == 1 and tiles the score/softmax/P·V reductions
     # differently than for B == 4, so the same request got other bits per batch-size function
-    # (docs/batch-invariance.md). Merged, every batch size compiles to the same [n, ...] ops.
+    # (docs/numerics.md). Merged, every batch size compiles to the same [n, ...] ops.
     qf, sf, vf = q.flatten(0, 1).float(), sel.flatten(0, 1).float(), valid.flatten(0, 1)
     s = torch.einsum("nhd,nkd->nhk", qf, sf) * scale
     s = s.masked_fill(~vf[:, None, :], float("-inf"))

@@ -9,7 +9,7 @@ torch.topk itself breaks ties in an unspecified order, which is why the referenc
 (eager only: IREE 3.13 does not lower aten.sort.stable).
 
 Export uses ``topk_radix`` (implementation "radix"): IREE 3.13 returns wrong top-k *indices* when a
-topk/sort follows other work on a dynamic token dim (iree-notes §6, bug 6), and
+topk/sort follows other work on a dynamic token dim (docs/export.md, IREE 3.13 traps), and
 ``iree_linalg_ext.topk`` at k = 512 fails on cuda (128 KiB of shared memory) and runs ~25x slower on
 llvm-cpu (docs/kernels.md). The radix select uses only elementwise ops, reductions, prefix counts as
 GEMMs and a flat index_put, so its graph size does not depend on k.
@@ -58,14 +58,14 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
 
     = m.cumsum(-1), but as GEMMs with a triangular ones matrix: IREE compiles a cumsum to a scan run
     sequentially along the row (`scan_64x256xf32`: 30 % of the embedded default's decode step at
-    batch 64 on the H200, session 20). Rows are cut into chunks of `chunk` entries: within a chunk
+    batch 64 on the H200). Rows are cut into chunks of `chunk` entries: within a chunk
     one [chunk, chunk] triangle, then each chunk's total is carried to the later chunks. The
     operands are 0/1 in bf16 (exact; GPUs take their matrix cores) and every sum is an integer
     <= chunk (within a chunk; exact in bf16 up to 256) or <= N (the carry, in float32: exact below 2^24).
     A traced (symbolic) R or N keeps the cumsum. N: the model's top-ks all have a static one (the
     experts, the state's compressed entries). R: a prefill's rows are of unknown divisibility, so
-    IREE 3.13 runs the GEMM without the matrix cores (bench/dynamic_gemm.py); the embedded default's
-    batched prefill was 8 % slower with it on the H200, its decode at batch 64 21 % faster (session 20)."""
+    IREE 3.13 runs the GEMM without the matrix cores (docs/kernels.md); the embedded default's
+    batched prefill was 8 % slower with it on the H200, its decode at batch 64 21 % faster."""
     R, n = m.shape
     if not (isinstance(n, int) and isinstance(R, int)):
         return m.float().cumsum(-1)
