@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -181,7 +182,7 @@ def compile_small(mlir: str, name: str) -> Path:
     """The slow rule's allowance: compile one small module (a kernel template at a tiny shape, the
     runtime tests' toy model: seconds each) for llvm-cpu and return the .vmfb path, cached under
     .cache/kernels/ by the MLIR text (the rendered templates included), the flags and the compiler
-    version. Only tests/test_kernel_templates.py (through `kernel_compile`) and tests/test_runtime.py's
+    version. Only tests/test_kernel_templates.py (through `kernel_compile`) and tests/test_engine_toy.py's
     toy export call it; anything bigger is an export and slow."""
     import iree.compiler
 
@@ -281,3 +282,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+# A prelude for `python -c` subprocesses: imports of torch, iree.compiler and iree.turbine fail as if
+# they were not installed (a runtime-only install)
+NO_TORCH_PRELUDE = textwrap.dedent("""
+    import sys, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] == 'torch' or name.startswith(('iree.compiler', 'iree.turbine')):
+                raise ModuleNotFoundError('blocked: ' + name, name=name)  # as if not installed
+            return None
+    sys.meta_path.insert(0, Block())
+""")

@@ -2,7 +2,7 @@
 that replaces OUT only on success, structural checks of .irpa / .vmfb, corrupt artifacts through
 the `dsv4` command (one line naming the file, rc 2), incremental detokenization, public imports.
 
-Torch-free except the toy export (built once per session with the toy module of test_runtime).
+Torch-free except the toy export (built once per session with the toy module of test_engine_toy).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_check_irpa_accepts_a_real_archive_and_names_a_broken_one(tmp_path: Path
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
-    from test_runtime import _build_toy_export
+    from test_engine_toy import _build_toy_export
 
     return _build_toy_export(tmp_path_factory.mktemp("toy"))
 

@@ -20,7 +20,7 @@ def bench_export() -> Path:
     """The runtime tests' tiny export (tiny preset, fp32, llvm-cpu, prefill/decode bs 1 and 4; cached
     under .cache/ by tests/conftest.py): one export serves both files."""
     from conftest import cached_export
-    from test_runtime import TINY_EXPORT_ARGS, TINY_SEED, _tiny_model
+    from test_engine_tiny import TINY_EXPORT_ARGS, TINY_SEED, _tiny_model
 
     from dsv4.export.exporter import ExportSpec, export_model
 
@@ -115,7 +115,7 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     from dsv4.bench.speed import IreeBackend
 
     model, _, dtype = load_export_model(bench_export)
-    from test_runtime import _tiny_model
+    from test_engine_tiny import _tiny_model
 
     ref = _tiny_model()[1].state_dict()
     got = model.state_dict()

@@ -2,7 +2,7 @@
 
 References: a numpy uint32 implementation of the counter hash, a float64 sort-based filter + Gumbel
 draw, and the host sampler's float64 distribution (runtime/sampling.sampling_distribution) for the
-frequencies. The compiled function (tiny export, llvm-cpu) is checked in tests/test_runtime.py,
+frequencies. The compiled function (tiny export, llvm-cpu) is checked in tests/test_engine_tiny.py,
 beside the other tests of that export: against this torch function, and the engine's device-sampled
 tokens against an eager loop that samples with the float64 reference here."""
 
