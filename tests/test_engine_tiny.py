@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -118,9 +119,9 @@ def test_tiny_sampling_seeds(tiny_engine) -> None:
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, seed=42, ignore_eos=True)
     a = tiny_engine.generate(TINY_PROMPTS[0], sp)
     assert tiny_engine.generate(TINY_PROMPTS[0], sp).tokens == a.tokens
-    assert tiny_engine.generate(TINY_PROMPTS[0], replace_seed(sp, 43)).tokens != a.tokens
+    assert tiny_engine.generate(TINY_PROMPTS[0], replace(sp, seed=43)).tokens != a.tokens
     res = tiny_engine.generate_batch([TINY_PROMPTS[1], TINY_PROMPTS[0], TINY_PROMPTS[2]],
-                                     [replace_seed(sp, 1), sp, SamplingParams(max_new_tokens=5, ignore_eos=True)])
+                                     [replace(sp, seed=1), sp, SamplingParams(max_new_tokens=5, ignore_eos=True)])
     assert res[1].tokens == a.tokens
 
 

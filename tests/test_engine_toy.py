@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -291,21 +292,15 @@ def test_toy_sampling_seeds(toy_engine) -> None:
     a = toy_engine.generate(p, sp)
     b = toy_engine.generate(p, sp)
     assert a.tokens == b.tokens and a.seed == 1234
-    c = toy_engine.generate(p, replace_seed(sp, 99))
+    c = toy_engine.generate(p, replace(sp, seed=99))
     assert c.tokens != a.tokens
     # batched with other (greedy and sampled) requests: same tokens
-    others = [SamplingParams(max_new_tokens=9, ignore_eos=True), replace_seed(sp, 5)]
+    others = [SamplingParams(max_new_tokens=9, ignore_eos=True), replace(sp, seed=5)]
     res = toy_engine.generate_batch([TOY_PROMPTS[2], p, TOY_PROMPTS[3]], [others[0], sp, others[1]])
     assert res[1].tokens == a.tokens
     # unseeded requests report the seed that reproduces them
-    d = toy_engine.generate(p, replace_seed(sp, None))
-    assert toy_engine.generate(p, replace_seed(sp, d.seed)).tokens == d.tokens
-
-
-def replace_seed(sp: SamplingParams, seed: int | None) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sp, seed=seed)
+    d = toy_engine.generate(p, replace(sp, seed=None))
+    assert toy_engine.generate(p, replace(sp, seed=d.seed)).tokens == d.tokens
 
 
 def test_toy_slot_reuse_leaks_nothing(toy_engine, toy_model) -> None:

@@ -114,8 +114,9 @@ def test_config_abi(art):
     c = art["config"]
     assert set(c) == {"format", "version", "model", "activation_dtype", "n_slots", "max_seq_len", "prefill",
                       "decode", "state", "functions", "targets", "parameters", "tokenizer", "bos_token_id",
-                      "eos_token_ids", "export_id", "weights", "lowering"}
+                      "eos_token_ids", "export_id", "weights", "lowering", "sha256"}
     assert c["lowering"] == {"batch_invariant": False, "overrides": {}}
+    assert sorted(c["sha256"]) == sorted(c["parameters"]) and all(len(h) == 64 for h in c["sha256"].values())
     assert c["format"] == "dsv4-iree-export" and c["version"] == 1 and c["activation_dtype"] == "float32"
     assert c["prefill"] == {"batch_sizes": [1, 4], "min_tokens": 16, "max_tokens": MAX_CHUNK}
     assert c["decode"] == {"batch_sizes": [1, 4]}
