@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["COMMANDS", "main", "HelpFormatter", "add_command"]
+__all__ = ["COMMANDS", "main", "HelpFormatter", "add_command", "fail"]
 
 # name -> (module, one-line help); the order is `dsv4 --help`'s
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,7 +37,7 @@ OWN_PARSER = {"bench": "dsv4.bench.speed"}
 
 # the modules each extra installs: a missing one means that extra is not installed
 _EXPORT_EXTRA = ("torch", "iree.turbine", "iree.compiler", "safetensors", "ml_dtypes")
-_SERVE_EXTRA = ("starlette", "uvicorn", "prometheus_client", "httpx")
+_SERVE_EXTRA = ("starlette", "uvicorn", "prometheus_client", "httpx", "pydantic")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -59,6 +59,12 @@ def add_command(subparsers, name: str, **kw) -> argparse.ArgumentParser:
     kw.setdefault("help", COMMANDS[name][1])
     kw.setdefault("description", kw["help"][:1].upper() + kw["help"][1:] + ".")
     return subparsers.add_parser(name, formatter_class=HelpFormatter, **kw)
+
+
+def fail(cmd: str, msg: object) -> int:
+    """One error line for `dsv4 CMD`; the exit status of a refused command (2)."""
+    print(f"dsv4 {cmd}: error: {msg}", file=sys.stderr)
+    return 2
 
 
 def missing_extra(err: ModuleNotFoundError) -> str | None:
@@ -100,15 +106,12 @@ def _run(cmd: str, fn) -> int:
         print(f"\ndsv4 {cmd}: interrupted", file=sys.stderr)
         return 130
     except ValueError as err:  # bad requests get one line, not a traceback
-        print(f"dsv4 {cmd}: error: {err}", file=sys.stderr)
-        return 2
+        return fail(cmd, err)
     except ModuleNotFoundError as err:  # a runtime-only install (no torch / turbine / compiler / server)
         extra = missing_extra(err)
         if extra is None:
             raise
-        print(f"dsv4 {cmd}: error: needs the '{extra}' extra ({err.name} is not installed): "
-              f"pip install 'dsv4-iree[{extra}]'", file=sys.stderr)
-        return 2
+        return fail(cmd, f"needs the '{extra}' extra ({err.name} is not installed): pip install 'dsv4-iree[{extra}]'")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ runtime-only install `--help` still works and the command names the missing extr
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from . import add_command
+from . import add_command, fail
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -146,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = validate(args)
     except (ValueError, RuntimeError) as e:  # ExportError("validate", ...) is a RuntimeError
-        print(f"dsv4 export: error: {e}", file=sys.stderr)
-        return 2
+        return fail("export", e)
     from dsv4.export.command import cmd_export
 
     import torch  # noqa: F401  (a runtime-only install: the missing extra is named, see dsv4.cli)

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from . import add_command
+from . import add_command, fail
 
 __all__ = ["add_parser", "cmd_generate", "cmd_score", "token_ids"]
 
@@ -30,10 +30,6 @@ def token_ids(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
-def _fail(cmd: str, err: Exception) -> int:
-    print(f"dsv4 {cmd}: error: {err}", file=sys.stderr)
-    return 2
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt (text to stdout as it is produced, or one JSON object)."""
@@ -46,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                                 ignore_eos=args.ignore_eos)
     except ValueError as e:
-        return _fail("generate", e)
+        return fail("generate", e)
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
                      devices=args.devices)
@@ -82,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         res = eng.result(rid)
     except EngineError as e:
-        return _fail("generate", e)
+        return fail("generate", e)
     if args.json:
         print(json.dumps(res.to_json()))
     else:
@@ -110,7 +106,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             ids = args.text
         res = eng.score(ids, add_bos=not args.no_bos)
     except EngineError as e:
-        return _fail("score", e)
+        return fail("score", e)
     if args.json:
         print(json.dumps(res.to_json()))
     else:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import add_command
+from . import add_command, fail
 
 __all__ = ["add_parser", "cmd_serve"]
 
@@ -28,10 +28,6 @@ example:
 """
 
 
-def _fail(cmd: str, msg: str) -> int:
-    print(f"dsv4 {cmd}: error: {msg}", file=sys.stderr)
-    return 2
-
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the export, then serve it until SIGINT/SIGTERM (in-flight requests get --drain-timeout
@@ -44,15 +40,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dsv4.runtime.engine import Engine, EngineError
 
     if args.max_queue < 0:
-        return _fail("serve", f"--max-queue must be >= 0, got {args.max_queue}")
+        return fail("serve", f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
-        return _fail("serve", f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+        return fail("serve", f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
                      devices=args.devices)
     except EngineError as e:
-        return _fail("serve", str(e))
+        return fail("serve", str(e))
     name = args.served_model_name or Path(args.export_dir).resolve().name
     app = build_app(AsyncEngine(eng, max_queue=args.max_queue), name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from . import add_command
+from . import add_command, fail
 
 __all__ = ["add_parser", "cmd_weights"]
 
@@ -16,14 +15,12 @@ def cmd_weights(args: argparse.Namespace) -> int:
     from dsv4.contract.random_weights import write_random_weights
 
     if args.jobs < 1:
-        print(f"dsv4 weights: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
-        return 2
+        return fail("weights", f"--jobs must be >= 1, got {args.jobs}")
     try:
         write_random_weights(args.export_dir, args.seed, force=args.force, progress=lambda s: print(s, flush=True),
                              jobs=args.jobs)
     except EngineError as err:  # the export directory: one line, like generate/score
-        print(f"dsv4 weights: error: {err}", file=sys.stderr)
-        return 2
+        return fail("weights", err)
     return 0
 
 
