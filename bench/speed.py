@@ -4,19 +4,26 @@
                    [--compare torch-eager,torch-compile,transformers] [--json] [--plot ms_per_step.png]
 
 Reports decode ms/step and tokens/s per batch and context length, prefill tokens/s, time to first
-token, the HBM roofline (bytes a decode step must read / the device's measured copy bandwidth) and,
+token, the distinct routed experts a step touches per layer, the bytes a decode step moves (as this
+implementation reads them and as the release format needs, bench/traffic.py) and the roofline against
+the device's measured copy bandwidth and its datasheet peak, whole and for the layers alone, and,
 where the driver allows, the top dispatches by time of a decode call and of a prefill call (IREE's
 HAL profiling; Nsight Compute on cuda).
 This module imports only numpy and iree.runtime; the torch backends (`dsv4.bench.torch_backends`) load
 only when --compare names them.
 
 One protocol for every backend (`measure`), so the numbers are comparable:
+* inputs: every row gets its own prompt of random token ids (`row_prompts`, from --seed, the batch and
+  the length), so rows route to different experts as real traffic does; every backend gets the
+  same prompts, and each row decodes its own greedy (argmax) token;
 * context C at batch B: rows 0..B-1 are prefilled with F = C - W - N tokens in chunks of the
   export's prefill.max_tokens (every chunk padded to one T, so torch.compile sees one shape), rows
   grouped by the exported prefill batch sizes (transformers, which has no slots: all B rows in
   one call per chunk): that time gives prefill tokens/s;
 * W warm-up decode steps, then N timed steps ending at position C - 1; every step feeds back the
   previous step's argmax read to the host, as a generation loop does: ms/step, tokens/s = B*1000/ms;
+  a backend that can report its router's choices (torch-eager) records them over the W warm-up
+  steps: the distinct experts per layer per step, measured;
 * TTFT: one P-token prompt at batch 1 until its first token is on the host (best of 3 after a warm-up).
 """
 
@@ -34,10 +41,11 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from dsv4.contract.artifact import state_stage, whole_key
+from dsv4.bench.traffic import datasheet_peak, expected_distinct, step_bytes
+from dsv4.contract.artifact import TensorSpec, whole_inventory
 
-__all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "step_bytes", "copy_bandwidth", "main",
-           "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table"]
+__all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "row_prompts", "copy_bandwidth", "main",
+           "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table", "device_name"]
 
 TORCH_BACKENDS = ("torch-eager", "torch-compile", "transformers")
 
@@ -72,15 +80,23 @@ class Plan:
     prefill_batch_sizes: tuple[int, ...]
     n_slots: int
     notes: list[str]
+    seed: int = 0
 
 
-def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int, warm_up: bool = False) -> np.ndarray:
-    """Prefill rows 0..rows-1 with n_tokens tokens each (same calls for every backend); returns the
-    argmax at each row's last token. `warm_up`: only the first call of each prefill batch size that
+def row_prompts(seed: int, rows: int, n_tokens: int, vocab: int) -> np.ndarray:
+    """[rows, n_tokens] random token ids, one prompt per row, a function of (seed, rows, n_tokens) only:
+    every backend measuring the same batch and length gets the same prompts."""
+    return np.random.default_rng([seed, rows, n_tokens]).integers(0, vocab, (rows, n_tokens), dtype=np.int64)
+
+
+def _prefill_rows(be: Backend, plan: Plan, prompts: np.ndarray, warm_up: bool = False) -> np.ndarray:
+    """Prefill rows 0..rows-1 with their prompts ([rows, n_tokens]; same calls for every backend);
+    returns the argmax at each row's last token. `warm_up`: only the first call of each prefill batch size that
     filling the rows uses (loads / compiles each function once; every call is padded to plan.chunk
     tokens, so a full untimed fill would cost as much as the timed one)."""
     from dsv4.runtime.batching import pad_rows, pick_batch_size
 
+    rows, n_tokens = prompts.shape
     last = np.zeros(rows, np.int64)
     T = plan.chunk
     r0, warmed = 0, set()
@@ -97,7 +113,7 @@ def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int,
         for s in range(0, min(n_tokens, T) if warm_up else n_tokens, T):
             n = min(T, n_tokens - s)
             tokens = np.zeros((bs, T), np.int64)
-            tokens[:n_real, :n] = (np.arange(s, s + n) * 7 + 3) % vocab  # any fixed ids will do
+            tokens[:n_real, :n] = prompts[r0:r0 + n_real, s:s + n]
             lengths = np.zeros(bs, np.int64)
             lengths[:n_real] = n
             out = be.prefill(tokens, np.full(bs, s, np.int64), lengths, slots)
@@ -107,32 +123,50 @@ def _prefill_rows(be: Backend, plan: Plan, rows: int, n_tokens: int, vocab: int,
 
 
 def measure(be: Backend, plan: Plan, batch: int, context: int, vocab: int) -> dict[str, Any]:
-    """Prefill B rows to context - W - N tokens, then W warm-up and N timed decode steps."""
+    """Prefill B rows (each its own prompt) to context - W - N tokens, then W warm-up and N timed decode
+    steps. `experts_distinct`: the distinct routed experts per layer per step over the warm-up steps
+    (mean over layers and steps, and per layer) when the backend reports its routing, else None."""
     fill = context - plan.warmup - plan.steps
-    _prefill_rows(be, plan, batch, fill, vocab, warm_up=True)  # first calls load/compile; not timed
+    prompts = row_prompts(plan.seed, batch, fill, vocab)
+    _prefill_rows(be, plan, prompts, warm_up=True)  # first calls load/compile; not timed
     t0 = time.perf_counter()
-    tok = _prefill_rows(be, plan, batch, fill, vocab)
+    tok = _prefill_rows(be, plan, prompts)
     t_fill = time.perf_counter() - t0
     slots = np.arange(batch, dtype=np.int64)
-    elapsed = 0.0
-    for i in range(plan.warmup + plan.steps):
-        if i == plan.warmup:
-            t0 = time.perf_counter()
-        tok = be.decode(tok.reshape(batch, 1), np.full(batch, fill + i, np.int64), slots)
+
+    def step(i: int, tok: np.ndarray) -> np.ndarray:
+        return be.decode(tok.reshape(batch, 1), np.full(batch, fill + i, np.int64), slots)
+
+    per_layer = None
+    record = getattr(be, "record_routing", None)
+    if record is not None and plan.warmup > 0:
+        with record() as routed:  # untimed: the hooks cost time
+            for i in range(plan.warmup):
+                tok = step(i, tok)
+        per_layer = [float(np.mean(c)) for c in routed.distinct_per_layer()]
+    else:
+        for i in range(plan.warmup):
+            tok = step(i, tok)
+    t0 = time.perf_counter()
+    for i in range(plan.warmup, plan.warmup + plan.steps):
+        tok = step(i, tok)
     elapsed = time.perf_counter() - t0
     ms = 1e3 * elapsed / plan.steps
     return {"backend": be.name, "batch": batch, "context": context, "ms_per_step": ms,
             "tokens_per_s": batch * 1e3 / ms, "prefill_tokens": batch * fill, "prefill_s": t_fill,
-            "prefill_tokens_per_s": batch * fill / t_fill}
+            "prefill_tokens_per_s": batch * fill / t_fill,
+            "experts_distinct": None if per_layer is None else float(np.mean(per_layer)),
+            "experts_distinct_per_layer": per_layer}
 
 
 def measure_ttft(be: Backend, plan: Plan, vocab: int, repeats: int = 3) -> dict[str, Any]:
-    """Time to first token of one prefill_tokens-token prompt at batch 1 (best of `repeats`)."""
-    _prefill_rows(be, plan, 1, plan.prefill_tokens, vocab)  # warm-up
+    """Time to first token of one prefill_tokens-token random prompt at batch 1 (best of `repeats`)."""
+    prompt = row_prompts(plan.seed, 1, plan.prefill_tokens, vocab)
+    _prefill_rows(be, plan, prompt)  # warm-up
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _prefill_rows(be, plan, 1, plan.prefill_tokens, vocab)
+        _prefill_rows(be, plan, prompt)
         best = min(best, time.perf_counter() - t0)
     return {"backend": be.name, "prompt_tokens": plan.prefill_tokens, "ttft_ms": 1e3 * best,
             "prefill_tokens_per_s": plan.prefill_tokens / best}
@@ -185,48 +219,78 @@ def copy_bandwidth(hal_device: Any, nbytes: int, repeats: int = 10) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# roofline: the bytes one decode step must read
-def parameter_sizes(irpa: Sequence[Path]) -> dict[str, int]:
-    """{parameter name: bytes} of the .irpa shards (names without the 'model.' key prefix)."""
+# roofline: the bytes of a decode step (bench/traffic.py) against the device's bandwidth
+def inventory(cfg: Any, irpa: Sequence[Path]) -> list[TensorSpec]:
+    """The export's whole tensors (config.json's inventory; the .irpa files' for an export made before
+    it had one); a multi-device export's parts count as their whole tensor."""
+    if cfg.weights is not None:
+        return whole_inventory(cfg.weights, cfg.n_devices)
     from dsv4.contract.weights import open_weights
 
     w = open_weights(irpa)
-    return {k.removeprefix("model."): w.nbytes(k) for k in w}
+    return whole_inventory([TensorSpec(k, tuple(w.spec(k)[0]), w.spec(k)[1]) for k in w], cfg.n_devices)
 
 
-def step_bytes(model: dict, params: dict[str, int], state: Sequence[Any], batch: int, context: int,
-               max_seq_len: int) -> dict[str, float]:
-    """Bytes a decode step of `batch` rows at position ~`context` must read (a lower bound):
-    * weights: every parameter once, except token-indexed tables (embedding, hash routing: `batch`
-      rows of vocab_size), the routed experts (the expected number of distinct experts `batch`
-      tokens pick under uniform top-k routing: E * (1 - (1 - k/E)^batch)), and MTP blocks (unused);
-    * state of `batch` slots: window and compressor rings whole; the compressed KV and indexer key
-      rows up to the context (context / ratio), the CSA KV rows the indexer selects (index_topk)."""
-    V, E, k = model["vocab_size"], model.get("n_routed_experts", 1), model.get("num_experts_per_tok", 1)
-    experts = E * (1 - (1 - k / E) ** batch)
-    w = 0.0
-    for name, n in params.items():
-        name = (whole_key(name) or (name,))[0]  # a multi-device export's parts count as their whole tensor
-        if name.startswith("mtp."):
-            continue
-        if name == "embed.weight" or name.endswith(".tid2eid"):
-            w += n * min(1.0, batch / V)
-        elif ".ffn.experts." in name:
-            w += n * experts / E
-        else:
-            w += n
-    s = 0.0
-    for spec in state:
-        per_slot = spec.nbytes / spec.shape[0]
-        name = state_stage(spec.name)[1]  # a pipeline stage's "stage<k>.kv_r4" is a kv_r4
-        if name.startswith(("kv_r", "idx_kv_r")):  # [slots, layers, max_seq/r + 1, dim]
-            r = int(name.rsplit("_r", 1)[1])
-            rows = min(context, max_seq_len) // r
-            if name.startswith("kv_r") and r == 4:
-                rows = min(rows, model.get("index_topk", rows))
-            per_slot *= rows / spec.shape[2]
-        s += per_slot * batch
-    return {"weights": w, "state": s, "total": w + s}
+def device_name(driver: str) -> str | None:
+    """The GPU's product name as its driver tools report it (nvidia-smi, rocminfo), or None (a CPU
+    driver, or no tool)."""
+    import subprocess
+
+    cmd = {"cuda": ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], "hip": ["rocminfo"]}.get(driver)
+    if cmd is None or shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if driver == "cuda":
+        return out.strip().splitlines()[0].strip() if out.strip() else None
+    names = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Marketing Name" in ln]
+    return next((n for n in names if "MI" in n.upper()), None)
+
+
+def traffic_rows(cfg: Any, tensors: Sequence[TensorSpec], decode: Sequence[dict], copy_gbps: float,
+                 peak_tbps: float | None) -> list[dict[str, Any]]:
+    """One entry per measured (batch, context): the bytes of a step in both accounts and their roofline
+    times; adds each decode row's roofline percentages (whole and layers alone, copy bandwidth and
+    datasheet peak, both accounts). Distinct experts: measured (the first backend that reported its
+    routing for that batch and context: every backend gets the same inputs) or, when none did, the
+    uniform-routing expectation."""
+    m = cfg.model
+    E, k = m.get("n_routed_experts", 1), m.get("num_experts_per_tok", 1)
+    kernels = {t: v.get("kernels", {}) for t, v in cfg.raw.get("targets", {}).items()}
+    in_place = bool(kernels) and all(kv.get("mxfp4_linear_gathered") == "kernel" for kv in kernels.values())
+    out = []
+    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in decode):
+        rows = [r for r in decode if (r["batch"], r["context"]) == (batch, context)]
+        measured = next((r for r in rows if r.get("experts_distinct") is not None), None)
+        b = step_bytes(m, tensors, cfg.state, batch, context, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
+                       experts_in_place=in_place,
+                       distinct_experts=None if measured is None else measured["experts_distinct"])
+        t: dict[str, Any] = {"batch": batch, "context": context,
+                             "experts_distinct_uniform": expected_distinct(E, k, batch),
+                             "experts_distinct_measured": None if measured is None else measured["experts_distinct"],
+                             "experts_measured_by": None if measured is None else measured["backend"],
+                             "experts_gathered": b["experts_gathered"], "experts_in_place": in_place}
+        for acct in ("implementation", "release"):
+            a = b[acct]
+            t[acct] = {**a, "copy_ms": 1e3 * a["total"] / (copy_gbps * 1e9),
+                       "peak_ms": None if peak_tbps is None else 1e3 * a["total"] / (peak_tbps * 1e12)}
+        out.append(t)
+        for r in rows:
+            r["roofline"] = {}
+            for acct in ("implementation", "release"):
+                a = b[acct]
+                pct = lambda nbytes, gbps: 100 * 1e3 * nbytes / (gbps * 1e9) / r["ms_per_step"]  # noqa: E731
+                r["roofline"][acct] = {
+                    "copy_pct": pct(a["total"], copy_gbps), "copy_pct_layers": pct(a["layers"], copy_gbps),
+                    "peak_pct": None if peak_tbps is None else pct(a["total"], peak_tbps * 1e3),
+                    "peak_pct_layers": None if peak_tbps is None else pct(a["layers"], peak_tbps * 1e3)}
+            # the release format's bytes at the measured copy bandwidth: what a step must read
+            r["roofline_bytes"] = b["release"]["total"]
+            r["roofline_ms"] = 1e3 * r["roofline_bytes"] / (copy_gbps * 1e9)
+            r["roofline_pct"] = 100 * r["roofline_ms"] / r["ms_per_step"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions in the state when decode is timed (default: the export's max_seq_len)")
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for TTFT (capped at max_seq_len)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
-    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them (default 4)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them (default 4; "
+                   "torch-eager records its routing over them)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rows' random prompts (default 0)")
     p.add_argument("--compare", type=_backends, default=[],
                    help="torch backends: torch-eager, torch-compile (mode default, one static graph per shape), "
                         "transformers (its DeepseekV4ForCausalLM on the same weights, dequantized)")
@@ -451,7 +517,7 @@ def make_plan(args: argparse.Namespace, cfg: Any) -> Plan:
         prefill = cfg.max_seq_len
     chunk = max(cfg.prefill_min_tokens, min(cfg.prefill_max_tokens, prefill))
     return Plan(batches, contexts, prefill, args.steps, args.warmup, chunk, cfg.prefill_batch_sizes,
-                cfg.n_slots, notes)
+                cfg.n_slots, notes, args.seed)
 
 
 def _stderr(msg: str) -> None:
@@ -481,7 +547,9 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
     mib = args.copy_mib or (1024 if gpu else 64)
     bw = copy_bandwidth(eng.module.device, mib << 20)
     progress(f"copy bandwidth {bw:.1f} GB/s ({mib} MiB device-to-device)")
-    params = parameter_sizes(eng.parameters_paths)
+    tensors = inventory(cfg, eng.parameters_paths)
+    gpu_name = device_name(args.device)
+    peak = datasheet_peak(gpu_name)
 
     def torch_backend(name: str) -> Backend:
         from dsv4.bench.torch_backends import TorchBackend, TransformersBackend
@@ -503,11 +571,6 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
         for c in plan.contexts:
             for b in plan.batches:
                 row = measure(be, plan, b, c, vocab)
-                need = step_bytes(cfg.model, params, cfg.state, b, c, cfg.max_seq_len)
-                row["roofline_bytes"] = need["total"]
-                row["roofline_weight_bytes"] = need["weights"]
-                row["roofline_ms"] = 1e3 * need["total"] / (bw * 1e9)
-                row["roofline_pct"] = 100 * row["roofline_ms"] / row["ms_per_step"]
                 decode.append(row)
                 progress(f"{be.name} batch {b} context {c}: {row['ms_per_step']:.3f} ms/step, "
                          f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
@@ -533,15 +596,18 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = _stder
                                                plan.chunk, 0, plan.steps, Path(tmp))
             progress("per-dispatch profile of prefill: " + ("done" if prefill_profile["available"]
                                                              else prefill_profile["why"]))
+    traffic = traffic_rows(cfg, tensors, decode, bw, peak)
     m = cfg.model
     return {
         "export": str(cfg.directory), "device": args.device, "export_id": cfg.export_id,
         "model": {"layers": m.get("num_hidden_layers"), "hidden": m.get("hidden_size"), "vocab": vocab,
-                  "parameter_bytes": sum(params.values()), "activation_dtype": cfg.raw.get("activation_dtype"),
+                  "parameter_bytes": sum(t.nbytes for t in tensors), "activation_dtype": cfg.raw.get("activation_dtype"),
+                  "routed_experts": m.get("n_routed_experts"), "experts_per_token": m.get("num_experts_per_tok"),
                   "max_seq_len": cfg.max_seq_len, "n_slots": cfg.n_slots},
         "settings": {k: v for k, v in asdict(plan).items() if k != "notes"},
         "copy_bandwidth_gbps": bw, "copy_mib": mib, "notes": plan.notes,
-        "decode": decode, "ttft": ttft, "profile": profile, "prefill_profile": prefill_profile,
+        "device_name": gpu_name, "datasheet_peak_tbps": peak,
+        "decode": decode, "traffic": traffic, "ttft": ttft, "profile": profile, "prefill_profile": prefill_profile,
         "iree_nonfinite_rows": iree_be.nonfinite_rows,
     }
 
@@ -551,16 +617,40 @@ def print_table(rep: dict[str, Any], out: Any = None) -> None:
     w = lambda *a: print(*a, file=out)  # noqa: E731
     w(f"export {rep['export']}  device {rep['device']}  {m['layers']} layers, hidden {m['hidden']}, "
       f"vocab {m['vocab']}, {m['parameter_bytes'] / 1e6:.1f} MB parameters, {m['activation_dtype']}")
-    w(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up, argmax fed back; "
-      f"copy bandwidth {rep['copy_bandwidth_gbps']:.1f} GB/s ({rep['copy_mib']} MiB device-to-device, read+write)")
+    w(f"decode: {s['steps']} timed steps after {s['warmup']} warm-up, each row its own random prompt (seed "
+      f"{s['seed']}) and its own argmax fed back; copy bandwidth {rep['copy_bandwidth_gbps']:.1f} GB/s "
+      f"({rep['copy_mib']} MiB device-to-device, read+write)")
+    peak = rep.get("datasheet_peak_tbps")
+    w(f"datasheet peak: {peak} TB/s ({rep['device_name']})" if peak else
+      f"datasheet peak: unknown for {rep.get('device_name') or 'this device (' + rep['device'] + ')'}; "
+      "the % peak columns are empty")
     if rep.get("iree_nonfinite_rows"):
         w(f"WARNING: {rep['iree_nonfinite_rows']} row(s) of the IREE module's logits were not finite (a broken build)")
     w("")
+    pc = lambda v: f"{v:>7.2f}%" if v is not None else f"{'-':>8}"  # noqa: E731
+    opt = lambda v, f=".4f": "-" if v is None else format(v, f)  # noqa: E731
+    w("% roofline: a step's bytes / bandwidth / measured ms; impl = as this lowering reads them, release = "
+      "as the release format needs; layers = without the head")
     w(f"{'backend':<20} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} {'prefill tok/s':>13} "
-      f"{'roofline ms':>11} {'% roofline':>10}")
+      f"{'copy impl':>8} {'copy rel':>8} {'peak impl':>9} {'peak rel':>8} {'peak rel layers':>15}")
     for r in rep["decode"]:
+        i, x = r["roofline"]["implementation"], r["roofline"]["release"]
         w(f"{r['backend']:<20} {r['batch']:>5} {r['context']:>7} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f} "
-          f"{r['prefill_tokens_per_s']:>13.0f} {r['roofline_ms']:>11.4f} {r['roofline_pct']:>9.2f}%")
+          f"{r['prefill_tokens_per_s']:>13.0f} {pc(i['copy_pct'])} {pc(x['copy_pct'])} {pc(i['peak_pct']):>9} "
+          f"{pc(x['peak_pct'])} {pc(x['peak_pct_layers']):>15}")
+    w("")
+    w(f"bytes per decode step ({m['routed_experts']} routed experts, top-{m['experts_per_token']}; experts = distinct "
+      "routed experts per layer per step, measured by the named backend over its warm-up steps, and "
+      "E(1-(1-k/E)^B) for uniform routing; gathered = the expert reads the lowering issues per layer)")
+    w(f"{'batch':>5} {'context':>7} {'experts':>7} {'uniform':>7} {'gathered':>8} {'impl MB':>9} {'impl MB/layer':>13} "
+      f"{'release MB':>10} {'rel MB/layer':>12} {'rel ms copy':>11} {'rel ms peak':>11}  measured by")
+    for t in rep.get("traffic", []):
+        i, x = t["implementation"], t["release"]
+        w(f"{t['batch']:>5} {t['context']:>7} {opt(t['experts_distinct_measured'], '.1f'):>7} "
+          f"{t['experts_distinct_uniform']:>7.1f} {t['experts_gathered']:>8} {i['total'] / 1e6:>9.3f} "
+          f"{i['per_layer'] / 1e6:>13.3f} {x['total'] / 1e6:>10.3f} {x['per_layer'] / 1e6:>12.3f} "
+          f"{x['copy_ms']:>11.4f} {opt(x['peak_ms']):>11}  "
+          f"{t['experts_measured_by'] or '- (uniform expectation used)'}")
     w("")
     w(f"{'backend':<20} {'prompt':>6} {'TTFT ms':>9} {'prefill tok/s':>13}")
     for r in rep["ttft"]:

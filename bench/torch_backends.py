@@ -18,18 +18,18 @@ export's activation dtype, with its own cache (one DynamicCache per group of row
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from dsv4.model.checkpoint.irpa import load_export_model
 from dsv4.model.kernels.moe import routed_moe
+from dsv4.model.moe import Gate
 from dsv4.model.state import new_state
 
-__all__ = ["load_export_model", "TorchBackend", "TransformersBackend", "TORCH_DEVICE"]
+__all__ = ["load_export_model", "TorchBackend", "TransformersBackend", "TORCH_DEVICE", "Routing"]
 
 # IREE driver -> torch device (ROCm torch calls its GPUs cuda too)
 TORCH_DEVICE = {"cuda": "cuda", "hip": "cuda", "local-task": "cpu", "local-sync": "cpu"}
@@ -43,6 +43,17 @@ def _torch_device(device: str, who: str) -> str:
     if dev == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{who}: torch sees no GPU (torch {torch.__version__})")
     return dev
+
+
+class Routing:
+    """The experts each decode layer's router picked, per call (filled by TorchBackend.record_routing)."""
+
+    def __init__(self, n_layers: int):
+        self.calls: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+
+    def distinct_per_layer(self) -> list[list[int]]:
+        """Per layer, the distinct experts of each recorded call (all rows of the step together)."""
+        return [[len(np.unique(ids)) for ids in layer] for layer in self.calls]
 
 
 class TorchBackend:
@@ -68,6 +79,22 @@ class TorchBackend:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             self.fn = torch.compile(self.model, dynamic=False)
+        else:
+            self.record_routing = self._record_routing  # hooks would break torch-compile's graph
+
+    @contextlib.contextmanager
+    def _record_routing(self) -> Iterator[Routing]:
+        """Record the expert ids every layer's router (model/moe.py Gate) returns while inside (the
+        MTP block's gate, which decode does not run, is left out)."""
+        gates = [m for name, m in self.model.named_modules() if isinstance(m, Gate) and name.startswith("layers.")]
+        rec = Routing(len(gates))
+        hooks = [g.register_forward_hook(lambda mod, args, out, i=i: rec.calls[i].append(out[1].cpu().numpy()))
+                 for i, g in enumerate(gates)]
+        try:
+            yield rec
+        finally:
+            for h in hooks:
+                h.remove()
 
     def _run(self, tokens, start, lengths, slots) -> np.ndarray:
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731

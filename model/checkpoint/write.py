@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..quant.formats import E4M3FN, FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4
 from ..quant.quantize import quantize_fp8_block, quantize_mxfp4
+from dsv4.contract.release import BF16 as _BF16, F32 as _F32, FP8_LINEAR as _FP8_LINEAR, I64 as _I64
 from dsv4.contract.tokenizer import save_tokenizer
 from ..transformers_config import transformers_config_dict
 from .inventory import INDEX_FILE, SINGLE_FILE
@@ -29,14 +30,9 @@ from .names import EXPERTS, transformers_name
 __all__ = ["write_checkpoint", "transformers_state_dict", "unquantized_config", "DEFAULT_MAX_SHARD_BYTES"]
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
+# what the official checkpoint holds for each model tensor (docs/model.md, Checkpoint format): the
+# table of contract/release.py (_FP8_LINEAR, _BF16, _F32, _I64), which dsv4 bench counts bytes with
 
-# what the official checkpoint holds for each model tensor (docs/model.md, Checkpoint format): FP8 + scale, bf16, fp32, int64
-_FP8_LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-                         r"|e_proj|h_proj)\.weight$")
-_BF16 = re.compile(r"^(embed|head)\.weight$|norm\.weight$|\.compressor\.(wkv|wgate)\.weight$"
-                   r"|\.indexer\.weights_proj\.weight$|\.ffn\.gate\.weight$")
-_F32 = re.compile(r"(^|\.)(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|ape|bias)$")
-_I64 = re.compile(r"\.ffn\.gate\.tid2eid$")
 
 
 @dataclass
