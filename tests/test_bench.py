@@ -60,9 +60,28 @@ def test_bench_json_structure_and_arithmetic(bench_export: Path, capsys) -> None
         assert r["prefill_tokens_per_s"] == pytest.approx(r["prefill_tokens"] / r["prefill_s"], rel=1e-12)
         assert r["roofline_ms"] == pytest.approx(1e3 * r["roofline_bytes"] / (rep["copy_bandwidth_gbps"] * 1e9))
         assert r["roofline_pct"] == pytest.approx(100 * r["roofline_ms"] / r["ms_per_step"])
+        t = next(t for t in rep["traffic"] if (t["batch"], t["context"]) == (r["batch"], ctx))
+        assert r["roofline_bytes"] == t["release"]["total"]
+        for acct in ("implementation", "release"):
+            got, a = r["roofline"][acct], t[acct]
+            assert got["copy_pct"] == pytest.approx(100 * a["copy_ms"] / r["ms_per_step"])
+            assert got["copy_pct_layers"] == pytest.approx(got["copy_pct"] * a["layers"] / a["total"])
+            assert got["peak_pct"] is None  # no datasheet peak for a CPU
+        # the router of torch-eager reports the experts; the compiled module does not
+        assert (r["experts_distinct"] is None) == r["backend"].startswith("iree")
+    assert rep["datasheet_peak_tbps"] is None
     # the same bytes per (batch, context) on every backend; more rows read more
     by = {(r["backend"], r["batch"]): r["roofline_bytes"] for r in rep["decode"]}
     assert by[(backends[0], 1)] == by[(backends[1], 1)] < by[(backends[0], 4)]
+    E, k = rep["model"]["routed_experts"], rep["model"]["experts_per_token"]
+    for t in rep["traffic"]:
+        b = t["batch"]
+        assert t["experts_measured_by"] == backends[1]
+        assert t["experts_distinct_uniform"] == pytest.approx(E * (1 - (1 - k / E) ** b))
+        assert k <= t["experts_distinct_measured"] <= min(E, b * k)
+        assert t["implementation"]["per_layer"] * rep["model"]["layers"] == pytest.approx(t["implementation"]["layers"])
+    # distinct rows route to more than one row's experts (identical rows would touch exactly k)
+    assert rep["traffic"][1]["experts_distinct_measured"] > k
     assert [t["backend"] for t in rep["ttft"]] == backends
     for t in rep["ttft"]:
         assert t["prompt_tokens"] == 20 and t["ttft_ms"] > 0
@@ -151,24 +170,170 @@ def test_ncu_kernel_table_per_step_arithmetic() -> None:
 
 
 def test_step_bytes_matches_a_hand_count() -> None:
-    from dsv4.bench.speed import step_bytes
-    from dsv4.contract.artifact import StateSpec
+    """Both accounts of a made-up inventory: embedding and tid2eid rows per token, MTP left out, FP8
+    read as its bf16 copy (scale not read) against 1 byte + a scale byte per block, an fp32 gate as
+    three bf16 terms against bf16, gathered experts 3x per gather against MXFP4 per distinct expert;
+    the state in both."""
+    from dsv4.bench.traffic import step_bytes
+    from dsv4.contract.artifact import StateSpec, TensorSpec
 
-    model = {"vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_topk": 4}
-    params = {"embed.weight": 100 * 10 * 2, "layers.0.ffn.experts.w1": 8 * 1000, "layers.0.attn.wq": 500,
-              "mtp.0.attn.wq": 999, "layers.0.ffn.gate.tid2eid": 100 * 2 * 8}
+    model = {"vocab_size": 100, "num_hidden_layers": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+             "index_topk": 4, "expert_dtype": "fp4"}
+    T = TensorSpec
+    tensors = [T("model.embed.weight", (100, 10), "bfloat16"), T("model.head.weight", (100, 10), "bfloat16"),
+               T("model.layers.0.ffn.experts.w1", (8, 64, 16), "uint8"),         # [E, out, in/2] packed
+               T("model.layers.0.ffn.experts.w1_scale", (8, 64, 1), "uint8"),    # one E8M0 per 32
+               T("model.layers.0.attn.wq_a.weight", (256, 128), "float8_e4m3fn"),
+               T("model.layers.0.attn.wq_a.scale", (2, 1), "uint8"),
+               T("model.layers.0.ffn.gate.weight", (8, 10), "float32"),
+               T("model.layers.0.ffn.gate.tid2eid", (100, 2), "int64"),
+               T("model.mtp.0.attn.wq_a.weight", (256, 128), "float8_e4m3fn")]
     state = [StateSpec("win_kv", (4, 2, 8, 16), "float32"),       # whole window per slot
              StateSpec("kv_r16", (4, 1, 65, 16), "float32"),      # max_seq 1024 / 16 + 1 rows
              StateSpec("kv_r4", (4, 1, 257, 16), "float32"),      # top-k rows of the CSA cache
              StateSpec("idx_kv_r4", (4, 1, 257, 8), "float32")]   # indexer keys up to the context
     b, ctx = 3, 512
-    got = step_bytes(model, params, state, b, ctx, 1024)
-    experts = 8 * (1 - (1 - 2 / 8) ** 3)
-    weights = 3 * 20 + 1000 * experts + 500 + 3 * 16
+    got = step_bytes(model, tensors, state, b, ctx, 1024, "bfloat16")
     st = b * 4 * (2 * 8 * 16 + (512 // 16) * 16 + 4 * 16 + (512 // 4) * 8)
-    assert got["weights"] == pytest.approx(weights)
-    assert got["state"] == pytest.approx(st)
-    assert got["total"] == pytest.approx(weights + st)
+    distinct = 8 * (1 - (1 - 2 / 8) ** 3)
+    assert got["experts_distinct"] == pytest.approx(distinct) and got["experts_gathered"] == 6  # B*k <= E
+    head = 3 * 10 * 2 + 100 * 10 * 2
+    impl_layer = 6 * 3 * (64 * 16 + 64) + 256 * 128 * 2 + 8 * 10 * 6 + 3 * 2 * 8
+    rel_layer = distinct * (64 * 32 / 2 + 64) + 256 * 128 + 2 * 1 + 8 * 10 * 2 + 3 * 2 * 8
+    for acct, layer in (("implementation", impl_layer), ("release", rel_layer)):
+        a = got[acct]
+        assert a["head"] == pytest.approx(head) and a["state"] == pytest.approx(st)
+        assert a["layers"] == pytest.approx(layer + st) and a["per_layer"] == pytest.approx(layer + st)
+        assert a["total"] == pytest.approx(head + layer + st)
+    # experts read in place: one read per gather; a measured distinct count replaces the expectation
+    inplace = step_bytes(model, tensors, state, b, ctx, 1024, "bfloat16", experts_in_place=True, distinct_experts=5)
+    assert inplace["implementation"]["layers"] == pytest.approx(impl_layer - 2 * 6 * (64 * 16 + 64) + st)
+    assert inplace["release"]["layers"] == pytest.approx(rel_layer + (5 - distinct) * (64 * 16 + 64) + st)
+    # an fp32 activation runs the fp32 gate weight as stored
+    f32 = step_bytes(model, tensors, state, b, ctx, 1024, "float32")
+    assert f32["implementation"]["layers"] == pytest.approx(impl_layer - 8 * 10 * 2 + st)
+
+
+def _flash_inventory() -> tuple[dict, list]:
+    import torch
+
+    from dsv4.model.checkpoint import param_inventory
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+
+    cfg = ModelConfig.preset("flash")
+    with torch.device("meta"):
+        specs = param_inventory(Transformer(cfg, quantized=True))
+    return cfg.to_dict(), specs
+
+
+def test_step_bytes_of_a_flash_layer_by_hand() -> None:
+    """One CSA layer of Flash (layer 4: ratio 4, top-k routed (layers 0-2 hash), MXFP4 experts) at batch 1 and 64,
+    against the bytes written out from the dimensions: d 4096, q_lora 1024, 64 heads x 512, o_lora
+    1024 x 8 groups, 256 experts of inter 2048, top-6, the indexer's 64 heads x 128."""
+    from dsv4.bench.traffic import GROUP_BLOCK, step_bytes
+
+    model, specs = _flash_inventory()
+    layer = [s for s in specs if s.name.startswith("model.layers.4.")]
+    model = {**model, "num_hidden_layers": 1}
+    fp8 = lambda n, k: n * k + -(-n // 128) * -(-k // 128)  # noqa: E731
+    dense_fp8 = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (2048, 4096),
+                 (8192, 1024)]  # wq_a, wq_b, wkv, wo_b, shared w1 w2 w3, indexer wq_b
+    compressor = 2 * 1024 * 4096 + 2 * 256 * 4096  # wkv + wgate, attention's and indexer's
+    hc_fn, gate, wproj, wo_a = 2 * 24 * 16384, 256 * 4096, 64 * 4096, 8192 * 4096
+    norms = 1024 + 512 + 4096 + 4096 + 512 + 128  # q, kv, attn, ffn, compressors'
+    small_f32 = 2 * 24 + 2 * 3 + 64 + 4 * 1024 + 4 * 256 + 256  # hc bases, scales, sink, apes, gate bias
+    expert_mx = 3 * 2048 * 4096  # w1, w3 [2048, 4096], w2 [4096, 2048] weights
+    release_dense = (sum(fp8(n, k) for n, k in dense_fp8) + fp8(8192, 4096) + 2 * (compressor + gate + wproj + norms)
+                     + 4 * (hc_fn + small_f32))
+    impl_dense = (2 * sum(n * k for n, k in dense_fp8) + 2 * wo_a + 6 * (compressor + hc_fn) + 2 * (gate + wproj)
+                  + 4 * (norms + small_f32))
+    for batch in (1, 64):
+        got = step_bytes(model, layer, [], batch, 1024, 1024, "bfloat16")
+        distinct = 256 * (1 - (1 - 6 / 256) ** batch)
+        gathered = 6 * batch if 6 * batch <= 256 else 256 + (6 * batch - 256) // GROUP_BLOCK
+        assert got["experts_gathered"] == gathered
+        assert got["release"]["per_layer"] == pytest.approx(release_dense + distinct * expert_mx * (1 / 2 + 1 / 32))
+        assert got["implementation"]["per_layer"] == pytest.approx(impl_dense + 3 * gathered * expert_mx * (1 / 2 + 1 / 32))
+
+
+def test_expert_blocks_is_the_routed_moe_block_count() -> None:
+    """bench/traffic.py's gather count is model/kernels/moe.py's: one gather per pair up to E pairs,
+    then grouped_blocks of GROUP_BLOCK rows."""
+    from dsv4.bench.traffic import GROUP_BLOCK, expert_blocks
+    from dsv4.model.kernels import moe
+
+    assert GROUP_BLOCK == moe.GROUP_BLOCK
+    for E, k in ((8, 2), (256, 6), (384, 6)):
+        for b in (1, 2, 4, 16, 42, 43, 64, 128):
+            want = b * k if b * k <= E else moe.grouped_blocks(b * k, E, moe.GROUP_BLOCK)
+            assert expert_blocks(E, k, b) == want, (E, k, b)
+
+
+def test_datasheet_peak_by_device_name() -> None:
+    from dsv4.bench.traffic import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H200") == 4.8 and datasheet_peak("AMD Instinct MI300X") == 5.3
+    assert datasheet_peak("NVIDIA H100 80GB HBM3") is None and datasheet_peak(None) is None
+    assert datasheet_peak("AMD Instinct MI300X1") is None  # a whole word, not a prefix
+
+
+def test_row_prompts_are_distinct_and_seeded() -> None:
+    from dsv4.bench.speed import row_prompts
+
+    p = row_prompts(0, 8, 64, 512)
+    assert p.shape == (8, 64) and p.dtype == np.int64 and p.min() >= 0 and p.max() < 512
+    assert len({r.tobytes() for r in p}) == 8  # every row its own prompt
+    np.testing.assert_array_equal(p, row_prompts(0, 8, 64, 512))
+    assert not np.array_equal(p, row_prompts(1, 8, 64, 512))
+
+
+class _Recorder:
+    """A backend that records each slot's token stream and answers a function of it (a stand-in model):
+    `grouped` prefills all rows in one call, as the transformers backend does."""
+
+    def __init__(self, name: str, grouped: bool, vocab: int):
+        self.name, self.any_prefill_batch, self.vocab = name, grouped, vocab
+        self.seen: dict[int, list[int]] = {}
+
+    def _next(self, slot: int) -> int:
+        return hash(tuple(self.seen[slot])) % self.vocab
+
+    def prefill(self, tokens, start, lengths, slots):
+        out = np.zeros(len(slots), np.int64)
+        for r, (s, n, slot) in enumerate(zip(start, lengths, slots)):
+            if n:
+                seq = self.seen.setdefault(int(slot), [])
+                if s == 0:
+                    seq.clear()
+                seq.extend(int(t) for t in tokens[r, :n])
+                out[r] = self._next(int(slot))
+        return out
+
+    def decode(self, tokens, start, slots):
+        for r, slot in enumerate(slots):
+            self.seen[int(slot)].append(int(tokens[r, 0]))
+        return np.array([self._next(int(s)) for s in slots], np.int64)
+
+
+def test_every_backend_gets_the_same_distinct_inputs() -> None:
+    """measure() hands a slotted backend (prefill batch sizes 1 and 4) and a grouped one the same
+    per-row prompts, distinct between rows, and feeds each row its own answer back."""
+    from dsv4.bench.speed import Plan, measure, row_prompts
+
+    plan = Plan(batches=[4], contexts=[40], prefill_tokens=20, steps=3, warmup=2, chunk=16,
+                prefill_batch_sizes=(1, 4), n_slots=4, notes=[], seed=7)
+    a, b = _Recorder("slotted", False, 512), _Recorder("grouped", True, 512)
+    for be in (a, b):
+        r = measure(be, plan, 4, 40, 512)
+        assert r["experts_distinct"] is None  # neither reports its routing
+    fill = 40 - 3 - 2
+    prompts = row_prompts(7, 4, fill, 512)
+    assert a.seen == b.seen and sorted(a.seen) == [0, 1, 2, 3]
+    for slot, seq in a.seen.items():
+        assert len(seq) == fill + 5 and seq[:fill] == prompts[slot].tolist()
+    assert len({tuple(seq[:fill]) for seq in a.seen.values()}) == 4
+    assert len({tuple(seq[fill:]) for seq in a.seen.values()}) > 1  # each row its own fed-back tokens
 
 
 @pytest.mark.parametrize("argv, match", [
