@@ -19,6 +19,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4.bench.traffic import expected_distinct
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.moe import GROUP_BLOCK, moe_experts_routed
 
@@ -77,7 +78,7 @@ def decode_table(cfg: ModelConfig, batches: list[int], block: int) -> list[dict]
     rows = []
     for b in batches:
         got, _ = routed_trace(cfg, b, block)
-        expect = E * (1 - (1 - k / E) ** b)
+        expect = expected_distinct(E, k, b)
         rows.append(dict(batch=b, graph=got * L, graph_experts=got / per, ideal=expect * per * L, ideal_experts=expect,
                          worst=min(E, b * k) * per * L, all=E * per * L))
     return rows

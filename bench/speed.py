@@ -253,7 +253,8 @@ def traffic_rows(cfg: Any, tensors: Sequence[TensorSpec], decode: Sequence[dict]
                  peak_tbps: float | None) -> list[dict[str, Any]]:
     """One entry per measured (batch, context): the bytes of a step in both accounts and their roofline
     times; adds each decode row's roofline percentages (whole and layers alone, copy bandwidth and
-    datasheet peak, both accounts). Distinct experts: measured (the first backend that reported its
+    datasheet peak, both accounts; the implementation account only on the IREE rows: it is what this
+    export's lowering reads, not what a torch backend reads). Distinct experts: measured (the first backend that reported its
     routing for that batch and context: every backend gets the same inputs) or, when none did, the
     uniform-routing expectation."""
     m = cfg.model
@@ -281,6 +282,9 @@ def traffic_rows(cfg: Any, tensors: Sequence[TensorSpec], decode: Sequence[dict]
             r["roofline"] = {}
             for acct in ("implementation", "release"):
                 a = b[acct]
+                if acct == "implementation" and not r["backend"].startswith("iree"):
+                    r["roofline"][acct] = None
+                    continue
                 pct = lambda nbytes, gbps: 100 * 1e3 * nbytes / (gbps * 1e9) / r["ms_per_step"]  # noqa: E731
                 r["roofline"][acct] = {
                     "copy_pct": pct(a["total"], copy_gbps), "copy_pct_layers": pct(a["layers"], copy_gbps),
@@ -629,12 +633,13 @@ def print_table(rep: dict[str, Any], out: Any = None) -> None:
     w("")
     pc = lambda v: f"{v:>7.2f}%" if v is not None else f"{'-':>8}"  # noqa: E731
     opt = lambda v, f=".4f": "-" if v is None else format(v, f)  # noqa: E731
-    w("% roofline: a step's bytes / bandwidth / measured ms; impl = as this lowering reads them, release = "
-      "as the release format needs; layers = without the head")
+    w("% roofline: a step's bytes / bandwidth / measured ms; impl = as this export's lowering reads them (IREE "
+      "rows only), rel = as the release format needs; layers = without the head")
     w(f"{'backend':<20} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} {'prefill tok/s':>13} "
       f"{'copy impl':>8} {'copy rel':>8} {'peak impl':>9} {'peak rel':>8} {'peak rel layers':>15}")
     for r in rep["decode"]:
-        i, x = r["roofline"]["implementation"], r["roofline"]["release"]
+        x = r["roofline"]["release"]
+        i = r["roofline"]["implementation"] or {"copy_pct": None, "peak_pct": None}
         w(f"{r['backend']:<20} {r['batch']:>5} {r['context']:>7} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f} "
           f"{r['prefill_tokens_per_s']:>13.0f} {pc(i['copy_pct'])} {pc(x['copy_pct'])} {pc(i['peak_pct']):>9} "
           f"{pc(x['peak_pct'])} {pc(x['peak_pct_layers']):>15}")

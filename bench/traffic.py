@@ -18,13 +18,18 @@ runtime-only install), in two accounts:
 State (both accounts): the window and compressor rings whole, the compressed KV and indexer key rows
 up to the context (context / ratio), the CSA KV rows the indexer selects (index_topk).
 "Layers" is every `layers.N.` tensor plus the state; the rest (embedding, head, final mixes and
-norm) is the head. MTP blocks are not run by decode.
+norm) is the head. MTP blocks are not run by decode. `dsv4 bench` uses it; on its own it prints both
+accounts for an export's config.json (no weights, no device; uniform routing):
+
+    python -m dsv4.bench.traffic OUT [--batch 1 64] [--context 1024]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+import sys
 from typing import Any, Mapping, Sequence
 
 from dsv4.contract.artifact import TensorSpec, state_stage
@@ -157,3 +162,31 @@ def step_bytes(model: Mapping[str, Any], tensors: Sequence[TensorSpec], state: S
         out[key] = {"layers": layers, "head": acc["head"], "state": s, "total": layers + acc["head"],
                     "per_layer": layers / L}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dsv4.contract.artifact import ExportConfig, whole_inventory
+
+    ap = argparse.ArgumentParser(prog="python -m dsv4.bench.traffic", description=__doc__.splitlines()[0])
+    ap.add_argument("export_dir", metavar="OUT", help="export directory (its config.json)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default: the export's decode batch sizes")
+    ap.add_argument("--context", type=int, default=None, help="default: the export's max_seq_len")
+    a = ap.parse_args(argv)
+    cfg = ExportConfig.load(a.export_dir, weights=False)
+    if cfg.weights is None:
+        print(f"{a.export_dir}: config.json has no weights inventory; re-export", file=sys.stderr)
+        return 2
+    tensors = whole_inventory(cfg.weights, cfg.n_devices)
+    ctx = a.context or cfg.max_seq_len
+    print(f"{'batch':>5} {'experts':>7} {'gathered':>8} {'impl MB':>10} {'impl MB/layer':>13} {'release MB':>10} "
+          f"{'rel MB/layer':>12}")
+    for b in a.batch or cfg.decode_batch_sizes:
+        r = step_bytes(cfg.model, tensors, cfg.state, b, ctx, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""))
+        i, x = r["implementation"], r["release"]
+        print(f"{b:>5} {r['experts_distinct']:>7.1f} {r['experts_gathered']:>8} {i['total'] / 1e6:>10.2f} "
+              f"{i['per_layer'] / 1e6:>13.2f} {x['total'] / 1e6:>10.2f} {x['per_layer'] / 1e6:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
