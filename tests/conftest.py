@@ -246,17 +246,19 @@ def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
 # Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
 # on the same one share it here.
 
-EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
+# prefill bs1 only: the Engine's default (batch-invariant) mode, which the server runs, prefills one
+# request per call; decode batches (bs1 and bs4)
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
                           max_chunk=64)
 EMBEDDED_BF16_MAX_SEQ_LEN = 512
 
 
 @pytest.fixture(scope="session")
 def embedded_bf16_export() -> Path:
-    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill and decode batch
-    sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
-    tests/test_batch_invariance.py (bs1 against bs4 bit for bit, which is also why the server may
-    serve a request alone or among others through different batch sizes)."""
+    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill batch size 1,
+    decode batch sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
+    tests/test_batch_invariance.py (decode bs1 against bs4 bit for bit, which is also why the server
+    may serve a request alone or among others through different batch sizes)."""
     from dsv4.export import exporter
     from dsv4.export.exporter import export_model
     from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
