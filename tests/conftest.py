@@ -246,31 +246,36 @@ def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
 # Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
 # on the same one share it here.
 
-# prefill bs1 only: the Engine's default (batch-invariant) mode, which the server runs, prefills one
-# request per call; decode batches (bs1 and bs4)
-EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
-                          max_chunk=64)
+# The embedded default checkpoint as stored (FP8 linears, MXFP4 experts) with bf16 activations and its
+# tokenizer, max_seq_len 512: tests/test_embedded.py (held-out perplexity and greedy against eager, the
+# gfx942 e4m3fnuz hand-off, whose graph it also compiles for llvm-cpu from the kept MLIR),
+# tests/test_serve.py (the server) and tests/test_batch_invariance.py (decode bs1 against bs4 bit for
+# bit, which is also why the server may serve a request alone or among others through different batch
+# sizes). Prefill bs1 only: the Engine's default (batch-invariant) mode, which the server runs, prefills
+# one request per call; decode batches (bs1 and bs4). The 256-token chunk scores a 256-token
+# perplexity window in one call.
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
+                          max_chunk=256, keep_mlir=True)
 EMBEDDED_BF16_MAX_SEQ_LEN = 512
+
+
+def embedded_bf16_model() -> Any:
+    """The model embedded_bf16_export was made from (eager)."""
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+
+    return load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
+                           overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
 
 
 @pytest.fixture(scope="session")
 def embedded_bf16_export() -> Path:
-    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill batch size 1,
-    decode batch sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
-    tests/test_batch_invariance.py (decode bs1 against bs4 bit for bit, which is also why the server
-    may serve a request alone or among others through different batch sizes)."""
-    from dsv4.export import exporter
-    from dsv4.export.exporter import export_model
-    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+    """EMBEDDED_BF16_ARGS's export of embedded_bf16_model() (cached under .cache/embedded-bf16-*)."""
+    from dsv4.export.exporter import ExportSpec, export_model
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT
 
     def build(out: Path) -> None:
-        model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
-                                overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
-        # export_model(model, cfg, out, **args) became export_model(model, ExportSpec(**args), out)
-        # on a branch being merged alongside; this runs on either side of that change
-        spec = getattr(exporter, "ExportSpec", None)
-        head = (model, spec(**EMBEDDED_BF16_ARGS), out) if spec else (model, model.cfg, out)
-        export_model(*head, **({} if spec else EMBEDDED_BF16_ARGS), tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+        export_model(embedded_bf16_model(), ExportSpec(**EMBEDDED_BF16_ARGS), out, tokenizer=EMBEDDED_CHECKPOINT,
+                     progress=print)
 
     files = sorted(EMBEDDED_CHECKPOINT.glob("*.json")) + sorted(EMBEDDED_CHECKPOINT.glob("*.safetensors"))
     return cached_export("embedded-bf16", build, [*files, sorted(EMBEDDED_BF16_ARGS.items()), EMBEDDED_BF16_MAX_SEQ_LEN])
