@@ -286,8 +286,9 @@ def embedded_bf16_export() -> Path:
 # for tests/test_export_model.py (the graph against eager torch, the config ABI, the gfx942 code, the
 # top-k probe), tests/test_engine_tiny.py and tests/test_bench.py (the Engine and dsv4 bench on a real
 # model) and tests/test_batch_invariance.py's tiny case (bs1 against bs4 bit for bit). Prefill and decode
-# batch sizes 1 and 4 on 4 slots, so requests admitted together prefill in one call and a fifth one queues;
-# a 32-token prefill chunk, so prompts of 33+ tokens take several calls.
+# batch sizes 1 and 4 on 4 slots (decode batches four requests and a fifth one queues; prefill_bs4 is
+# held to eager and profiled by dsv4 bench); a 32-token prefill chunk, so prompts of 33+ tokens take
+# several calls.
 TINY_FP32_SEED = 0
 TINY_FP32_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
                       max_chunk=32, probe_topk=True)
