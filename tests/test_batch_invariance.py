@@ -33,7 +33,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # every test runs on an export (its fixture is picked by name at run time, which the slow rule cannot see)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 BATCH_SIZES = (1, 4)
 N_DECODE = 6
 # model -> (its shared export fixture, max_chunk). The embedded default is what issue 13 asks for (its

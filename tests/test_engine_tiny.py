@@ -20,6 +20,9 @@ from dsv4.runtime import ArtifactError, EngineError, ExportConfig, RequestError,
 from conftest import NO_TORCH_PRELUDE, TINY_FP32_ARGS, tiny_fp32_model
 
 REPO = Path(__file__).resolve().parents[1]
+# the eager references: torch's two threads on a busy 2-core box made the greedy reference take 93 s
+# instead of 5 s
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,7 +68,7 @@ TINY_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module scope: after the module's one_thread
 def tiny_reference(tiny_eager) -> list[list[int]]:
     """Eager greedy. The model's top-k breaks exact ties by the lowest index in eager and export
     alike (model/kernels/topk.py); with torch.topk's unspecified tie order a tied indexer/router

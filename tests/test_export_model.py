@@ -36,6 +36,7 @@ from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state, state_spec
 
 ensure_runtime_flags()
+pytestmark = pytest.mark.usefixtures("one_thread")  # eager references of a tiny model
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SLOTS = TINY_FP32_ARGS["n_slots"]  # 4

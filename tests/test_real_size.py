@@ -13,6 +13,8 @@ from conftest import cached_export
 
 from dsv4.model.config import ConfigError, ModelConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # eager torch on tiny models
+
 
 def test_first_layers_keeps_ratios_hash_layers_and_mtp() -> None:
     flash = ModelConfig.preset("flash")

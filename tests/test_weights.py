@@ -20,6 +20,8 @@ from dsv4.contract.artifact import TensorSpec, shard_names
 from dsv4.contract.weights import (check_irpa, check_weights, checked, open_weights, plan_shards, storage_dtype,
                                   write_shards)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # eager torch on tiny models
+
 
 def _sample_tensors() -> list[tuple[str, np.ndarray, str]]:
     rng = np.random.default_rng(0)
