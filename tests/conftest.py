@@ -321,9 +321,8 @@ def tiny_fp32_export() -> Path:
 # The tiny preset with 8 query heads in 8 o_groups (so 1, 2, 4 and 8 devices divide heads, groups, the
 # 8 routed experts and the 512-token vocabulary) in the release format (FP8 linears, MXFP4 experts),
 # fp32 activations, `dsv4 weights random` weights of seed 0 loaded into the model and exported from it:
-# tests/test_weights.py (the exporter's weight files read back bit for bit; the GPU-host flow) and
 # tests/test_multidevice.py (the one-device reference of its N-device exports, which get the same
-# random weights cut per device).
+# random weights cut per device) and tests/test_cli.py (the shards' sha256 in config.json).
 TINY_Q_SEED = 0
 TINY_Q_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), score=False)
 

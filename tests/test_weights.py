@@ -20,8 +20,6 @@ from dsv4.contract.artifact import TensorSpec, shard_names
 from dsv4.contract.weights import (check_irpa, check_weights, checked, open_weights, plan_shards, storage_dtype,
                                   write_shards)
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # eager torch on tiny models
-
 
 def _sample_tensors() -> list[tuple[str, np.ndarray, str]]:
     rng = np.random.default_rng(0)
@@ -499,12 +497,37 @@ def test_load_irpa_names_every_problem_at_once(random_export: Path, tmp_path: Pa
 
 
 # a tiny quantized export (FP8 linears, MXFP4 experts) for llvm-cpu: one prefill and one decode program
+_Q_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1,), decode_batch_sizes=(1,), n_slots=1, max_chunk=32,
+                      score=False)
+
+
+def _tiny_q_model(seed: int, tmp: Path):
+    """The tiny preset, quantized, float32 activations, with `dsv4 weights random` weights of `seed`
+    (written for its inventory, then read back with load_irpa)."""
+    import torch
+
+    from dsv4.model.checkpoint.irpa import load_irpa, param_inventory
+    from dsv4.model.config import ModelConfig
+    from dsv4.model.model import Transformer
+    from dsv4.contract.random_weights import random_tensors
+
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg, dtype=torch.float32, quantized=True)
+    files = write_shards(tmp, random_tensors(param_inventory(model), cfg.to_dict(), seed), prefix="init")
+    return load_irpa(model, [tmp / f for f in files]).eval()
+
+
 @pytest.fixture(scope="module")
-def q_export(tiny_q_export: Path) -> Path:
-    """conftest's tiny_q_export: the tiny preset (8 heads in 8 o_groups), quantized, float32
-    activations, with `dsv4 weights random` weights loaded into the model and exported from it
-    (shared with tests/test_multidevice.py)."""
-    return tiny_q_export
+def q_export(tmp_path_factory) -> Path:
+    from conftest import cached_export
+
+    from dsv4.export.exporter import ExportSpec, export_model
+
+    def build(out: Path) -> None:
+        model = _tiny_q_model(1, tmp_path_factory.mktemp("init"))
+        export_model(model, ExportSpec(**_Q_EXPORT_ARGS), out, progress=print)
+
+    return cached_export("weights-tiny-q", build, [1, sorted(_Q_EXPORT_ARGS.items())])
 
 
 @pytest.mark.slow
@@ -515,9 +538,7 @@ def test_load_irpa_round_trips_an_export(q_export: Path, tmp_path: Path) -> None
 
     from dsv4.model.checkpoint.irpa import load_export_model
 
-    from conftest import tiny_q_model
-
-    want = tiny_q_model(tmp_path).state_dict()
+    want = _tiny_q_model(1, tmp_path).state_dict()
     model, cfg, dtype = load_export_model(q_export)
     assert dtype == torch.float32 and cfg == model.cfg
     got = model.state_dict()
@@ -542,7 +563,7 @@ def test_compiled_equals_eager_on_weights_made_by_weights_random(q_export: Path,
     for f in d.glob("*.irpa"):
         f.unlink()
     cfg = json.loads((d / "config.json").read_text())
-    specs = param_inventory(_tiny_quantized_f32(q_export))
+    specs = param_inventory(_tiny_quantized_f32())
     cfg.update(parameters=planned_names(specs, "model", 1 << 17),
                weights={"tensors": [s.to_json() for s in specs], "shard_bytes": 1 << 17})
     (d / "config.json").write_text(json.dumps(cfg))
@@ -558,16 +579,14 @@ def test_compiled_equals_eager_on_weights_made_by_weights_random(q_export: Path,
         assert len(set(want)) > 3
 
 
-def _tiny_quantized_f32(export_dir: Path):
-    """The export's model (its config.json's model config), quantized, float32, on the meta device."""
+def _tiny_quantized_f32():
     import torch
 
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import Transformer
 
-    cfg = ModelConfig.from_dict(json.loads((export_dir / "config.json").read_text())["model"])
     with torch.device("meta"):
-        return Transformer(cfg, dtype=torch.float32, quantized=True)
+        return Transformer(ModelConfig.preset("tiny"), dtype=torch.float32, quantized=True)
 
 
 
