@@ -5,7 +5,8 @@ The model is the tiny preset with 8 query heads in 8 o_groups (so 1, 2, 4 and 8 
 groups, the 8 routed experts and the 512-token vocabulary) in the release format (FP8 linears, MXFP4
 experts) with fp32 activations, random weights from one seed: every export holds the same weights,
 cut per device. The reference is the N = 1 export of the same weights, conftest's tiny_q_export (made
-from the model those weights were loaded into; tests/test_weights.py checks it against eager torch). The logits compared come from a 14-token prompt and the step after
+from the model those weights were loaded into; the other export tests check one-device exports
+against eager torch). The logits compared come from a 14-token prompt and the step after
 it, where the CSA indexer (top-4 of the ratio-4 entries) still selects every visible entry, so a
 near-tie in its scores cannot turn a last-bit difference from a split sum into a different selection;
 the greedy continuation runs past that (measured: all logits bitwise equal for N = 2, 4, 8).
