@@ -246,32 +246,117 @@ def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
 # Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
 # on the same one share it here.
 
-EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
-                          max_chunk=64)
+# The embedded default checkpoint as stored (FP8 linears, MXFP4 experts) with bf16 activations and its
+# tokenizer, max_seq_len 512: tests/test_embedded.py (held-out perplexity and greedy against eager, the
+# gfx942 e4m3fnuz hand-off, whose graph it also compiles for llvm-cpu from the kept MLIR),
+# tests/test_serve.py (the server) and tests/test_batch_invariance.py (decode bs1 against bs4 bit for
+# bit, which is also why the server may serve a request alone or among others through different batch
+# sizes). Prefill bs1 only: the Engine's default (batch-invariant) mode, which the server runs, prefills
+# one request per call; decode batches (bs1 and bs4). The 256-token chunk scores a 256-token
+# perplexity window in one call.
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
+                          max_chunk=256, keep_mlir=True)
 EMBEDDED_BF16_MAX_SEQ_LEN = 512
+
+
+def embedded_bf16_model() -> Any:
+    """The model embedded_bf16_export was made from (eager)."""
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+
+    return load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
+                           overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
 
 
 @pytest.fixture(scope="session")
 def embedded_bf16_export() -> Path:
-    """The embedded default checkpoint in bf16 with its tokenizer, llvm-cpu, prefill and decode batch
-    sizes 1 and 4, 4 slots, max_seq_len 512: tests/test_serve.py (the server) and
-    tests/test_batch_invariance.py (bs1 against bs4 bit for bit, which is also why the server may
-    serve a request alone or among others through different batch sizes)."""
-    from dsv4.export import exporter
-    from dsv4.export.exporter import export_model
-    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, load_checkpoint
+    """EMBEDDED_BF16_ARGS's export of embedded_bf16_model() (cached under .cache/embedded-bf16-*)."""
+    from dsv4.export.exporter import ExportSpec, export_model
+    from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT
 
     def build(out: Path) -> None:
-        model = load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16,
-                                overrides={"max_seq_len": EMBEDDED_BF16_MAX_SEQ_LEN}).eval()
-        # export_model(model, cfg, out, **args) became export_model(model, ExportSpec(**args), out)
-        # on a branch being merged alongside; this runs on either side of that change
-        spec = getattr(exporter, "ExportSpec", None)
-        head = (model, spec(**EMBEDDED_BF16_ARGS), out) if spec else (model, model.cfg, out)
-        export_model(*head, **({} if spec else EMBEDDED_BF16_ARGS), tokenizer=EMBEDDED_CHECKPOINT, progress=print)
+        export_model(embedded_bf16_model(), ExportSpec(**EMBEDDED_BF16_ARGS), out, tokenizer=EMBEDDED_CHECKPOINT,
+                     progress=print)
 
     files = sorted(EMBEDDED_CHECKPOINT.glob("*.json")) + sorted(EMBEDDED_CHECKPOINT.glob("*.safetensors"))
     return cached_export("embedded-bf16", build, [*files, sorted(EMBEDDED_BF16_ARGS.items()), EMBEDDED_BF16_MAX_SEQ_LEN])
+
+
+# The tiny preset in fp32 (random weights of seed 0, --quant-sim off, so a compiled-vs-eager
+# difference is the compiler's and not a flipped FP8/FP4 rounding), for llvm-cpu and gfx942: one export
+# for tests/test_export_model.py (the graph against eager torch, the config ABI, the gfx942 code, the
+# top-k probe), tests/test_engine_tiny.py and tests/test_bench.py (the Engine and dsv4 bench on a real
+# model) and tests/test_batch_invariance.py's tiny case (bs1 against bs4 bit for bit). Prefill and decode
+# batch sizes 1 and 4 on 4 slots (decode batches four requests and a fifth one queues; prefill_bs4 is
+# held to eager and profiled by dsv4 bench); a 32-token prefill chunk, so prompts of 33+ tokens take
+# several calls.
+TINY_FP32_SEED = 0
+TINY_FP32_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
+                      max_chunk=32, probe_topk=True)
+
+
+def tiny_fp32_cfg() -> Any:
+    from dsv4.model.config import ModelConfig
+
+    return ModelConfig.preset("tiny").replace(quant_sim=False)
+
+
+def tiny_fp32_model() -> Any:
+    """The model tiny_fp32_export was made from (eager, fp32)."""
+    from dsv4.model.model import Transformer, init_random
+
+    return init_random(Transformer(tiny_fp32_cfg(), dtype=torch.float32), seed=TINY_FP32_SEED).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_export() -> Path:
+    """TINY_FP32_ARGS's export of tiny_fp32_model() (cached under .cache/tiny-fp32-*)."""
+    from dsv4.export.exporter import ExportSpec, export_model
+
+    def build(out: Path) -> None:
+        export_model(tiny_fp32_model(), ExportSpec(**TINY_FP32_ARGS), out, progress=print)
+
+    return cached_export("tiny-fp32", build, [tiny_fp32_cfg().to_dict(), TINY_FP32_SEED, sorted(TINY_FP32_ARGS.items())])
+
+
+# The tiny preset with 8 query heads in 8 o_groups (so 1, 2, 4 and 8 devices divide heads, groups, the
+# 8 routed experts and the 512-token vocabulary) in the release format (FP8 linears, MXFP4 experts),
+# fp32 activations, `dsv4 weights random` weights of seed 0 loaded into the model and exported from it:
+# tests/test_multidevice.py (the one-device reference of its N-device exports, which get the same
+# random weights cut per device) and tests/test_cli.py (the shards' sha256 in config.json).
+TINY_Q_SEED = 0
+TINY_Q_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), score=False)
+
+
+def tiny_q_cfg() -> Any:
+    from dsv4.model.config import ModelConfig
+
+    return ModelConfig.preset("tiny", num_attention_heads=8, o_groups=8)
+
+
+def tiny_q_model(tmp: Path) -> Any:
+    """The model tiny_q_export was made from: random weights of TINY_Q_SEED written for its inventory
+    (under `tmp`), read back with load_irpa."""
+    from dsv4.contract.random_weights import random_tensors
+    from dsv4.contract.weights import write_shards
+    from dsv4.model.checkpoint.irpa import load_irpa, param_inventory
+    from dsv4.model.model import Transformer
+
+    cfg = tiny_q_cfg()
+    model = Transformer(cfg, dtype=torch.float32, quantized=True)
+    files = write_shards(tmp, random_tensors(param_inventory(model), cfg.to_dict(), TINY_Q_SEED), prefix="init")
+    return load_irpa(model, [tmp / f for f in files]).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_q_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_Q_ARGS's export of tiny_q_model() (cached under .cache/tiny-q-*)."""
+    from dsv4.export.exporter import ExportSpec, export_model
+
+    def build(out: Path) -> None:
+        export_model(tiny_q_model(tmp_path_factory.mktemp("tiny-q-init")), ExportSpec(**TINY_Q_ARGS), out,
+                     progress=print)
+
+    return cached_export("tiny-q", build, [tiny_q_cfg().to_dict(), TINY_Q_SEED, sorted(TINY_Q_ARGS.items())])
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def bench_export() -> Path:
-    """The runtime tests' tiny export (tiny preset, fp32, llvm-cpu, prefill/decode bs 1 and 4; cached
-    under .cache/ by tests/conftest.py): one export serves both files."""
-    from conftest import cached_export
-    from test_engine_tiny import TINY_EXPORT_ARGS, TINY_SEED, _tiny_model
-
-    from dsv4.export.exporter import ExportSpec, export_model
-
-    def build(out: Path) -> None:
-        cfg, model = _tiny_model()
-        export_model(model, ExportSpec(**TINY_EXPORT_ARGS), out)
-
-    return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
+def bench_export(tiny_fp32_export: Path) -> Path:
+    """The shared tiny export (tiny preset, fp32, llvm-cpu, prefill/decode bs 1 and 4; cached
+    under .cache/ by tests/conftest.py): one export serves the export, Engine and bench tests."""
+    return tiny_fp32_export
 
 
 def _bench(capsys, *argv: str) -> tuple[int, str, str]:
@@ -135,9 +126,9 @@ def test_torch_side_runs_the_export_weights(bench_export: Path) -> None:
     from dsv4.bench.speed import IreeBackend
 
     model, _, dtype = load_export_model(bench_export)
-    from test_engine_tiny import _tiny_model
+    from conftest import tiny_fp32_model
 
-    ref = _tiny_model()[1].state_dict()
+    ref = tiny_fp32_model().state_dict()
     got = model.state_dict()
     assert dtype == torch.float32 and set(got) == set(ref)
     for k, v in ref.items():

@@ -460,11 +460,10 @@ def test_check_is_torch_free_and_names_missing_weights(tmp_path: Path) -> None:
     assert all("missing" in ln and "dsv4 weights random" in ln for ln in lines)
 
 
-@pytest.mark.slow
-def test_export_records_each_shards_sha256(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    assert main(["export", "--preset", "tiny", "--dtype", "fp32", "--target", "llvm-cpu", "--batch-sizes", "1",
-                 "--no-score", "-o", str(out)]) == 0
+def test_export_records_each_shards_sha256(tiny_q_export: Path) -> None:
+    """An export's weight files (written by the exporter: conftest's shared quantized tiny export, slow)
+    carry their sha256 in config.json, and `dsv4 check` verifies them."""
+    out = tiny_q_export
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["parameters"] and set(cfg["sha256"]) == set(cfg["parameters"])
     for f in cfg["parameters"]:

@@ -10,7 +10,8 @@ as fnuz) moves it by far more (checked below by planting exactly that bug). The 
 runs the same graph as eager bf16, so it is held to 1 %.
 
 The export (llvm-cpu for running, gfx942 so CI also compiles the e4m3fnuz flavour of the FP8
-weights) takes minutes on 2 cores: it is cached under .cache/ keyed by the sources and weights.
+weights; max_seq_len 512) is conftest's embedded_bf16_export, which the server and batch-invariance
+tests share; it takes minutes on 2 cores and is cached under .cache/ keyed by the sources and weights.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cached_export
+from conftest import EMBEDDED_BF16_ARGS, embedded_bf16_model
 
 from dsv4.model.checkpoint import EMBEDDED_CHECKPOINT, EMBEDDED_PROMPT, load_checkpoint
 from dsv4.model.generate import greedy
@@ -37,7 +38,7 @@ NEW_TOKENS = 32
 FP8_VS_BF16 = 0.03  # relative perplexity bound, FP8/MXFP4 checkpoint vs bf16 master (eager)
 COMPILED_VS_EAGER = 0.01  # compiled llvm-cpu vs the same checkpoint in eager
 TIE = 0.1  # logits closer than this are a bf16 near-tie (see the greedy test)
-EXPORT_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), max_chunk=WINDOW, keep_mlir=True)
+assert EMBEDDED_BF16_ARGS["max_chunk"] >= WINDOW  # a window is scored in one call
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def eager_ppl(model, windows: list[list[int]]) -> float:
 
 @pytest.fixture(scope="module")
 def fp8_model():
-    return load_checkpoint(EMBEDDED_CHECKPOINT, dtype=torch.bfloat16)
+    return embedded_bf16_model()  # the model the export was made from (max_seq_len 512)
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +84,10 @@ def ppl_fp8(fp8_model, windows) -> float:
 
 
 @pytest.fixture(scope="module")
-def export_dir(fp8_model) -> Path:
+def export_dir(embedded_bf16_export: Path) -> Path:
     """The embedded checkpoint exported as `dsv4 export` does by default (cached), MLIR kept so
     the gfx942 (e4m3fnuz) graph can also be compiled for llvm-cpu and run here."""
-    from dsv4.export.exporter import ExportSpec, export_model
-
-    def build(out: Path) -> None:
-        export_model(fp8_model, ExportSpec(**EXPORT_ARGS), out, tokenizer=EMBEDDED_CHECKPOINT, progress=print)
-
-    weights = [EMBEDDED_CHECKPOINT / f for f in ("model.safetensors", "config.json", "tokenizer.json")]
-    return cached_export("embedded", build, [*weights, sorted(EXPORT_ARGS.items())])
+    return embedded_bf16_export
 
 
 @pytest.fixture(scope="module")

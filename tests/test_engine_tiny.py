@@ -17,49 +17,34 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, EngineError, ExportConfig, RequestError, SamplingParams
-from conftest import NO_TORCH_PRELUDE
+from conftest import NO_TORCH_PRELUDE, TINY_FP32_ARGS, tiny_fp32_model
 
 REPO = Path(__file__).resolve().parents[1]
+# the eager references: torch's two threads on a busy 2-core box made the greedy reference take 93 s
+# instead of 5 s
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------
-# the real model: tiny preset (random weights) through dsv4.export.exporter, llvm-cpu
+# the real model: tiny preset (random weights, fp32) through dsv4.export.exporter, llvm-cpu: conftest's
+# tiny_fp32_export (prefill and decode bs 1 and 4, so requests admitted together prefill in one call)
 # ------------------------------------------------------------------------------------------------
 
-TINY_SEED = 0
-TINY_SLOTS = 4
-TINY_CHUNK = 32  # small prefill chunk so long prompts take several calls
+TINY_SLOTS = TINY_FP32_ARGS["n_slots"]  # 4
+TINY_CHUNK = TINY_FP32_ARGS["max_chunk"]  # 32: small prefill chunk so long prompts take several calls
 TINY_NEW = 64
 
 
 def _tiny_model():
-    import torch
-
-    from dsv4.model.config import ModelConfig
-    from dsv4.model.model import Transformer, init_random
-
-    cfg = ModelConfig.preset("tiny")
-    return cfg, init_random(Transformer(cfg, dtype=torch.float32), seed=TINY_SEED).eval()
-
-
-# prefill and decode bs 1 and 4: requests admitted together prefill in one call
-TINY_EXPORT_ARGS = dict(targets=["llvm-cpu"], batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=TINY_SLOTS,
-                        max_chunk=TINY_CHUNK)
+    model = tiny_fp32_model()
+    return model.cfg, model
 
 
 @pytest.fixture(scope="session")
-def tiny_export() -> Path:
-    """The tiny preset exported for llvm-cpu (5-15 min on 2 cores, so cached under .cache/ by
+def tiny_export(tiny_fp32_export: Path) -> Path:
+    """The tiny preset exported for llvm-cpu (minutes on 2 cores, so cached under .cache/ by
     tests/conftest.py). The exporter is imported, not import-skipped: a broken exporter must fail these tests."""
-    from conftest import cached_export
-
-    from dsv4.export.exporter import ExportSpec, export_model
-
-    def build(out: Path) -> None:
-        cfg, model = _tiny_model()
-        export_model(model, ExportSpec(**TINY_EXPORT_ARGS), out)
-
-    return cached_export("runtime-tiny", build, [TINY_SEED, sorted(TINY_EXPORT_ARGS.items())])
+    return tiny_fp32_export
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +68,7 @@ TINY_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module scope: after the module's one_thread
 def tiny_reference(tiny_eager) -> list[list[int]]:
     """Eager greedy. The model's top-k breaks exact ties by the lowest index in eager and export
     alike (model/kernels/topk.py); with torch.topk's unspecified tie order a tied indexer/router

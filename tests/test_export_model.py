@@ -1,9 +1,10 @@
 """The exported model (export/exporter.py) against eager PyTorch on the tiny preset.
 
 One export per session (random weights, fp32, quant_sim off so every difference is the
-compiler's, not a flipped FP8/FP4 rounding), compiled for llvm-cpu and gfx942. Exporting takes
+compiler's, not a flipped FP8/FP4 rounding), compiled for llvm-cpu and gfx942: conftest's
+tiny_fp32_export, which the Engine, bench and batch-invariance tests share. Exporting takes
 minutes on 2 cores, so the artifacts are cached under `.cache/` keyed by a hash of the model and
-export sources and the export parameters (tests/conftest.py); delete `.cache/export-model-*` to force a fresh one.
+export sources and the export parameters (tests/conftest.py); delete `.cache/tiny-fp32-*` to force a fresh one.
 
 Tolerances (fp32, compiled vs eager): logits |diff| <= 2e-4 + 2e-4 |ref| (IREE reassociates fp32
 sums; measured maxima are in docs/export.md), state the same; greedy tokens and every top-k
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cached_export
+from conftest import TINY_FP32_ARGS, tiny_fp32_cfg, tiny_fp32_model
 
 import dsv4.export  # noqa: F401  (compat shim)
 from dsv4.export.compile import vmfb_executables
@@ -35,29 +36,19 @@ from dsv4.model.model import Transformer, init_random
 from dsv4.model.state import new_state, state_spec
 
 ensure_runtime_flags()
+pytestmark = pytest.mark.usefixtures("one_thread")  # eager references of a tiny model
 
 ROOT = Path(__file__).resolve().parents[1]
-N_SLOTS = 6
-MAX_CHUNK = 64
+N_SLOTS = TINY_FP32_ARGS["n_slots"]  # 4
+MAX_CHUNK = TINY_FP32_ARGS["max_chunk"]  # 32: longer prefills take two calls
 ATOL = RTOL = 2e-4
-EXPORT_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1, 4), max_chunk=MAX_CHUNK, n_slots=N_SLOTS,
-                   probe_topk=True)
-
-
-def tiny_cfg() -> ModelConfig:
-    return ModelConfig.preset("tiny").replace(quant_sim=False)
-
-
-def tiny_model() -> Transformer:
-    return init_random(Transformer(tiny_cfg(), dtype=torch.float32), seed=0).eval()
+tiny_cfg, tiny_model = tiny_fp32_cfg, tiny_fp32_model
 
 
 @pytest.fixture(scope="session")
-def art() -> dict:
+def art(tiny_fp32_export: Path) -> dict:
     """The exported tiny model: directory, config, the loaded llvm-cpu module, the eager model."""
-    cache = cached_export("export-model",
-                          lambda out: export_model(tiny_model(), ExportSpec(**EXPORT_ARGS), out, progress=print),
-                          [tiny_cfg().to_dict(), sorted(EXPORT_ARGS.items())])
+    cache = tiny_fp32_export
     cfg = json.loads((cache / "config.json").read_text())
     mod = IreeModule(cache / cfg["targets"]["llvm-cpu"]["vmfb"], [cache / f for f in cfg["parameters"]])
     return {"dir": cache, "config": cfg, "module": mod, "model": tiny_model()}
@@ -139,11 +130,17 @@ def test_config_abi(art):
 
 
 def test_bs1_prefill_then_48_decode_steps(art):
-    """Prefill 37 tokens (crosses the window 8 and ratios 4/16), then 48 greedy decode steps."""
+    """Prefill 37 tokens in two calls (30: crosses the window 8 and ratios 4/16 with partial groups
+    left; then 7 more, padded to the 16-token minimum), then 48 greedy decode steps."""
     p = Pair(art)
     toks = _tokens(1, 37, 1)
     slot = [2]
-    got, want = p.call("prefill_bs1", toks, [0], [37], slot)
+    got, want = p.call("prefill_bs1", toks[:, :30], [0], [30], slot)
+    p.check_logits(got, want)
+    p.check_state()
+    rest = np.zeros((1, 16), np.int64)
+    rest[0, :7] = toks[0, 30:]
+    got, want = p.call("prefill_bs1", rest, [30], [7], slot)
     p.check_logits(got, want)
     p.check_state()
     pos, nxt = 37, int(want[0].argmax())
@@ -156,14 +153,14 @@ def test_bs1_prefill_then_48_decode_steps(art):
 
 
 def test_bs4_chunked_prefill_and_decode_at_different_positions(art):
-    """Four sequences in slots 3,0,5,1: two chunked-prefill calls (one row padded with lengths 0),
+    """Four sequences in slots 3,0,2,1: two chunked-prefill calls (one row padded with lengths 0),
     then 48 decode steps at different positions, one row padded every 7th step."""
     p = Pair(art)
-    slots = [3, 0, 5, 1]
-    toks = _tokens(4, 37, 2)
-    got, want = p.call("prefill_bs4", toks, [0, 0, 0, 0], [20, 37, 0, 16], slots)
+    slots = [3, 0, 2, 1]
+    toks = _tokens(4, 32, 2)
+    got, want = p.call("prefill_bs4", toks, [0, 0, 0, 0], [20, 32, 0, 16], slots)
     p.check_logits(got, want, rows=[0, 1, 3])
-    start = np.array([20, 37, 0, 16])
+    start = np.array([20, 32, 0, 16])
     lengths = np.array([17, 5, 23, 30])
     got, want = p.call("prefill_bs4", _tokens(4, 30, 3), start, lengths, slots)
     p.check_logits(got, want)
@@ -197,8 +194,8 @@ def test_topk_indices_inside_compiled_graph_match_eager(art):
     indices), and differs from eager torch.topk only between exactly tied scores."""
     p = Pair(art)
     p.call("prefill_bs1", _tokens(1, 30, 4), [0], [30], [1])
-    toks = _tokens(1, 45, 5)
-    args = [np.asarray(a, dtype=np.int64) for a in (toks, [30], [41], [1])]
+    toks = _tokens(1, 32, 5)
+    args = [np.asarray(a, dtype=np.int64) for a in (toks, [30], [29], [1])]
     got = p.m("topk_probe_bs1", *args, *p.dev)
     with torch.no_grad(), record_topk() as rec:
         want = p.model(*[torch.from_numpy(a) for a in args], p.st)
@@ -224,16 +221,16 @@ def test_topk_indices_inside_compiled_graph_match_eager(art):
 
 def test_score_matches_eager_log_softmax(art):
     p = Pair(art)
-    toks = _tokens(1, 45, 6)
-    args = [np.asarray(a, dtype=np.int64) for a in (toks, [0], [40], [4])]
+    toks = _tokens(1, 32, 6)
+    args = [np.asarray(a, dtype=np.int64) for a in (toks, [0], [27], [3])]
     got = p.m("score_bs1", *args, *p.dev)
     with torch.no_grad():
         logits = p.model(*[torch.from_numpy(a) for a in args], p.st, all_logits=True)
-    lp = torch.log_softmax(logits[0, :39], -1).gather(-1, torch.from_numpy(toks[0, 1:40])[:, None])[:, 0]
-    want = np.zeros((1, 45), np.float32)
-    want[0, :39] = lp.numpy()
+    lp = torch.log_softmax(logits[0, :26], -1).gather(-1, torch.from_numpy(toks[0, 1:27])[:, None])[:, 0]
+    want = np.zeros((1, 32), np.float32)
+    want[0, :26] = lp.numpy()
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
-    assert np.all(got[0, 39:] == 0)
+    assert np.all(got[0, 26:] == 0)
     p.check_state()  # scoring is a prefill: the state is written too
 
 

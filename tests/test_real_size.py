@@ -13,6 +13,8 @@ from conftest import cached_export
 
 from dsv4.model.config import ConfigError, ModelConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # eager torch on tiny models
+
 
 def test_first_layers_keeps_ratios_hash_layers_and_mtp() -> None:
     flash = ModelConfig.preset("flash")
@@ -54,16 +56,18 @@ def test_empty_model_of_full_flash_costs_address_space_not_memory() -> None:
 
 @pytest.fixture(scope="module")
 def noweights_export() -> Path:
-    """tiny in the release format (FP8 + MXFP4), exported from an empty model with weights=None."""
+    """tiny in the release format (FP8 + MXFP4), fp32, --quant-sim off, exported from an empty model
+    with weights=None and every quantized linear as its `weight_only` alternative (one export for both
+    tests below: the no-weights artifact, and the GPU-host flow that makes its weights afterwards)."""
     from dsv4.export.exporter import ExportSpec, export_model
     from dsv4.model.model import empty_model
 
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset("tiny", quant_sim=False)
 
     def build(d: Path) -> None:
-        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], batch_sizes=[1], score=False, keep_mlir=True), d, weights=None)
+        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], batch_sizes=[1], score=False, keep_mlir=True, kernels={"*": "weight_only"}), d, weights=None)
 
-    return cached_export("noweights-tiny", build, ["noweights", cfg.to_dict()])
+    return cached_export("noweights-tiny", build, ["noweights", "weight_only", cfg.to_dict()])
 
 
 def test_no_weights_export_has_config_and_vmfb_and_a_full_inventory(noweights_export: Path) -> None:
@@ -86,21 +90,17 @@ def test_no_weights_export_has_config_and_vmfb_and_a_full_inventory(noweights_ex
     assert shapes["model.embed.weight"] == [cfg.vocab_size, cfg.hidden_size]
 
 
-@pytest.fixture(scope="module")
-def weight_only_export() -> Path:
-    """tiny in the release format, fp32, --quant-sim off, every quantized linear as its `weight_only`
-    alternative; no weights at export, `dsv4 weights random` makes them (the GPU-host flow)."""
-    from dsv4.export.exporter import ExportSpec, export_model
-    from dsv4.model.model import empty_model
+@pytest.fixture
+def weight_only_export(noweights_export: Path, tmp_path: Path) -> Path:
+    """The no-weights export with weights made by `dsv4 weights random` (the GPU-host flow), in a copy."""
+    import shutil
+
     from dsv4.cli import main
 
-    cfg = ModelConfig.preset("tiny", quant_sim=False)
-
-    def build(d: Path) -> None:
-        export_model(empty_model(cfg, torch.float32), ExportSpec(targets=["llvm-cpu"], batch_sizes=[1], score=False, kernels={"*": "weight_only"}), d, weights=None)
-        assert main(["weights", "random", str(d), "--seed", "5"]) == 0
-
-    return cached_export("weightonly-tiny", build, ["weight_only", cfg.to_dict()])
+    d = tmp_path / "wo"
+    shutil.copytree(noweights_export, d, ignore=shutil.ignore_patterns("*.mlir"))
+    assert main(["weights", "random", str(d), "--seed", "5"]) == 0
+    return d
 
 
 def test_weight_only_export_equals_eager_to_fp32_rounding(weight_only_export: Path, tmp_path: Path) -> None:

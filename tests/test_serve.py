@@ -8,9 +8,9 @@
   own score function, every bad-request class -> 400 with OpenAI's error body, 401 without the key,
   hang-ups free their slot, overload -> 503 + Retry-After, /metrics counters move, SIGTERM drains.
 
-The export is the embedded default checkpoint, batch sizes 1 and 4, 4 slots (tests/conftest.py's
-embedded_bf16_export, shared with tests/test_batch_invariance.py, which holds its bs1 and bs4
-functions to the same bits): greedy equality of a request alone and among others then tests the
+The export is the embedded default checkpoint, prefill batch size 1, decode batch sizes 1 and 4,
+4 slots (tests/conftest.py's embedded_bf16_export, shared with tests/test_batch_invariance.py, which
+holds its decode bs1 and bs4 functions to the same bits): greedy equality of a request alone and among others then tests the
 engine's slot bookkeeping (no cross-talk).
 """
 
