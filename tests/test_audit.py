@@ -303,20 +303,22 @@ def _negate_fp8(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tensor, change, layer, named", [
+@pytest.mark.parametrize("tensor, change, where, named", [
     # one routed expert's MXFP4 nibbles change sign: only the tokens routed there, found in the MoE
-    ("layers.0.ffn.experts.5.w2.weight", lambda t: t ^ 0x88, 0, ("layers.0.ffn.experts.w2", [5])),
-    ("layers.1.attn.wo_b.weight", _negate_fp8, 1, ("layers.1.attn.wo_b.weight", [])),
-    ("layers.1.ffn.shared_experts.w2.weight", _negate_fp8, 1, ("layers.1.ffn.shared_experts.w2.weight", [])),
-    ("layers.0.attn_norm.weight", lambda t: t * 4, 0, ("layers.0.attn_norm.weight", [])),
+    ("layers.0.ffn.experts.5.w2.weight", lambda t: t ^ 0x88, (0, "moe"), ("layers.0.ffn.experts.w2", [5])),
+    ("layers.0.hc_ffn_base", lambda t: t + 2, (0, "hc_ffn"), ("layers.0.hc_ffn_base", [])),  # f32 mHC
+    ("layers.1.attn.wo_b.weight", _negate_fp8, (1, "attn"), ("layers.1.attn.wo_b.weight", [])),  # FP8 codes
+    ("layers.1.ffn.shared_experts.w2.weight", _negate_fp8, (1, "moe"), ("layers.1.ffn.shared_experts.w2.weight", [])),
 ])
 def test_a_changed_tensor_names_its_layer_and_itself(audited_export: Path, probe_dir: Path, tmp_path: Path,
-                                                     tensor: str, change, layer: int, named) -> None:
+                                                     tensor: str, change, where, named) -> None:
+    """The export against a copy of its checkpoint with one tensor changed: exit 1, the tensor named
+    (a stacked tensor with the expert), and the first divergent layer and part are the tensor's."""
     ck = _changed_checkpoint(tmp_path / "ck", tensor, change)
     rep = audit.run_audit(audited_export, checkpoint=ck, prompt_ids=PROMPT, steps=STEPS, work_dir=probe_dir)
     assert not rep.consistent
     assert [(m.name, m.index) for m in rep.weights_mismatch] == [named]
-    assert rep.first_divergent_layer == layer, rep.table()
+    assert (rep.first_divergent_layer, rep.first_divergent_part) == where, rep.table()
 
 
 @pytest.mark.slow
