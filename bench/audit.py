@@ -382,10 +382,26 @@ def _layer_kind(ratio: int) -> str:
     return {0: "sliding", 4: "CSA"}.get(ratio, f"HCA/{ratio}")
 
 
-def _reference_model(exp: Any, checkpoint: Path | None, act: Any) -> tuple[Any, str]:
-    """The eager reference at the export's activation dtype, and what it was loaded from."""
+def _filled(model: Any, tensors: Any) -> Any:
+    """`model` (an empty model) with every tensor of `tensors` ((key, array in the storage type, dtype
+    name), the export's keys) copied into its parameter."""
     import torch
 
+    from dsv4.contract.artifact import PARAM_PREFIX
+
+    state = model.state_dict()
+    with torch.no_grad():
+        for key, arr, _ in tensors:
+            t = state[key.removeprefix(PARAM_PREFIX)]
+            t.copy_(torch.from_numpy(np.ascontiguousarray(arr)).view(t.dtype).reshape(t.shape))
+    return model.eval()
+
+
+def _reference_model(exp: Any, checkpoint: Path | None, act: Any) -> tuple[Any, str]:
+    """The eager reference at the export's activation dtype, and what it was loaded from: the
+    checkpoint's tensors as the export's model holds them (its first layers for a --layers export),
+    or random weights drawn again from the recorded seed."""
+    from dsv4.model.checkpoint import param_inventory
     from dsv4.model.config import ModelConfig
     from dsv4.model.model import empty_model
 
@@ -394,31 +410,25 @@ def _reference_model(exp: Any, checkpoint: Path | None, act: Any) -> tuple[Any, 
     if checkpoint is None and "checkpoint" in source:
         checkpoint = Path(source["checkpoint"])
     if checkpoint is not None:
-        from dsv4.model.checkpoint import load_checkpoint
+        from dsv4.model.checkpoint import checkpoint_tensors, load_checkpoint
 
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"{checkpoint}: no checkpoint there (no config.json)")
         ck = load_checkpoint(checkpoint, dtype=act, overrides={"max_seq_len": cfg.max_seq_len, "quant_sim": cfg.quant_sim},
                              layers=cfg.n_layers, expert_dtype="fp8" if cfg.expert_dtype == "fp8" else None,
-                             mtp=bool(cfg.n_mtp))
+                             mtp=bool(cfg.n_mtp), weights=False)
         mine, theirs = cfg.to_dict(), ck.cfg.to_dict()
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         if diff:
             raise ValueError(f"{checkpoint} is not the model of this export: {', '.join(diff[:6])} differ")
-        return ck, str(checkpoint)
+        return _filled(ck, checkpoint_tensors(checkpoint, ck, "float8_e4m3fn")), str(checkpoint)
     if "seed" in source:  # random weights (an export of a preset, or `dsv4 weights random`)
-        from dsv4.contract.artifact import PARAM_PREFIX
         from dsv4.contract.random_weights import random_tensors
-        from dsv4.model.checkpoint import param_inventory
 
         quantized = any(dt.startswith("float8") or dt == "uint8" for _, _, dt in exp.raw["weights"]["tensors"])
         model = empty_model(cfg, act, quantized=quantized)
-        state = model.state_dict()
-        with torch.no_grad():
-            for key, arr, dt in random_tensors(param_inventory(model), cfg.to_dict(), int(source["seed"])):
-                t = state[key.removeprefix(PARAM_PREFIX)]
-                t.copy_(torch.from_numpy(np.ascontiguousarray(arr)).view(t.dtype).reshape(t.shape))
-        return model.eval(), f"random weights, seed {source['seed']}"
+        return (_filled(model, random_tensors(param_inventory(model), cfg.to_dict(), int(source["seed"]))),
+                f"random weights, seed {source['seed']}")
     raise ValueError(f"{exp.directory}/config.json does not say which checkpoint the export was made from; "
                      "pass --checkpoint DIR")
 
