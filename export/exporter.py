@@ -327,8 +327,8 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         *[(f"score_bs{n}", _Entry.score, example(n, ex_T), dyn) for n in run.score_bs],
         *([("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn)] if spec.probe_topk else [])]
     if probe:  # probe_module: the two probe entry points only
-        programs = [(f"{PROBE_PREFILL}", _Entry.probe, example(1, ex_T), dyn),
-                    (f"{PROBE_DECODE}", _Entry.probe, example(1, 1), None)]
+        programs = [(PROBE_PREFILL, _Entry.probe, example(1, ex_T), dyn),
+                    (PROBE_DECODE, _Entry.probe, example(1, 1), None)]
     _trace_all(run, fxb, programs, streams, tag, extras=not probe)
     _import(run, fxb, mlir_path, tag)
 
