@@ -11,9 +11,9 @@ Every one runs as ``python -m dsv4.bench.NAME --help``:
 - ``torch_compile_warm``: fills torch.compile's on-disk caches, several processes at once, for the
   shapes a later ``dsv4 bench --compare torch-compile`` compiles (at Flash dimensions one shape takes
   about two minutes).
-- ``compiled_vs_eager``: a compiled export against the eager PyTorch model on the export's own
-  weights: per-step logit error and greedy agreement, with the eager model's own sensitivity as the
-  scale to judge them by.
+- ``audit``: ``dsv4 audit OUT``: a compiled export against its eager reference, weights decoded and
+  compared exactly with the checkpoint's, activations layer by layer and part by part through a
+  probe module, judged against the eager model's own bf16-vs-float32 noise.
 - ``multidevice_parity``: an N-device export against the one-device export of the same weights
   (torch-free).
 - ``device_sampling``: decode ms/step of sampled requests, sampling on the device (sample_bs{N})

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("dsv4.cli.serve", "OpenAI-compatible HTTP server for an export (serve extra)"),
     "bench": ("dsv4.cli.bench_serve", "speed of an export (dsv4 bench OUT -h) or of a running server "
                                 "(dsv4 bench serve -h)"),
+    "audit": ("dsv4.cli.audit", "where a compiled export leaves its eager reference, layer by layer: weights "
+                                "and activations (export extra)"),
     "check": ("dsv4.cli.check", "verify an export's files: weight shards' sha256, vmfbs' structure (torch-free)"),
     "weights": ("dsv4.cli.weights", "write an export's weights: weights random OUT (torch-free)"),
     "checkpoint": ("dsv4.cli.checkpoint", "write a random-weight checkpoint in the released layout "

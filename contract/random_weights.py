@@ -274,8 +274,10 @@ def write_random_weights(export_dir: str | os.PathLike, seed: int = 0, *, force:
                      names=[f.name for f in g.files], progress=log, total_bytes=total, inventory=g.specs,
                      digests=digests)
         written += g.files
-    # the digests made while writing go into config.json, for `dsv4 check` after a copy
-    write_config(d, {**cfg.raw, "sha256": dict(sorted({**cfg.sha256, **digests}.items()))})
+    # the digests made while writing go into config.json, for `dsv4 check` after a copy; "source" says
+    # what the weights are, for `dsv4 audit` (which draws the same tensors again as its reference)
+    write_config(d, {**cfg.raw, "sha256": dict(sorted({**cfg.sha256, **digests}.items())),
+                     "source": {"random_weights": True, "seed": int(seed)}})
     return written
 
 

@@ -83,6 +83,7 @@ def cmd_export(args: argparse.Namespace, spec: "ExportSpec") -> int:
                 (": config only (--no-weights)" if args.no_weights else
                  ": its tensors will be streamed into the .irpa shards"))
             weights = None if args.no_weights else (lambda specs, fp8: checkpoint_tensors(ckpt, model, fp8))
+            source = {"checkpoint": str(ckpt.resolve())}
         else:
             from dsv4.contract.random_weights import random_tensors
 
@@ -93,6 +94,7 @@ def cmd_export(args: argparse.Namespace, spec: "ExportSpec") -> int:
                     raise ValueError(f"--expert-dtype {args.expert_dtype}: preset {args.preset} has float experts")
                 cfg = cfg.replace(expert_dtype=args.expert_dtype)  # random weights are drawn in that format
             model = empty_model(cfg, dtype)
+            source = {"preset": args.preset, "seed": args.seed}
             if args.no_weights:
                 log(f"preset {args.preset}: no weights (--no-weights)")
                 weights = None
@@ -105,7 +107,7 @@ def cmd_export(args: argparse.Namespace, spec: "ExportSpec") -> int:
             f"{args.dtype}")
         stage = "export"
         res = export_model(model, spec, args.out, weights=weights, tokenizer=tokenizer, progress=log,
-                           force=args.force)
+                           force=args.force, source=None if args.no_weights else source)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

@@ -64,8 +64,8 @@ from .lowering import LoweringPlan, plan_lowering
 from .sharding import layout, shard_tensors, sharded
 from .spec import ExportError, ExportSpec
 
-__all__ = ["ExportError", "ExportResult", "ExportSpec", "export_model", "FORMAT", "VERSION",
-           "function_abi", "score_logprobs"]
+__all__ = ["ExportError", "ExportResult", "ExportSpec", "export_model", "probe_module", "PROBE_PREFILL",
+           "PROBE_DECODE", "FORMAT", "VERSION", "function_abi", "score_logprobs"]
 
 STATE_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FNUZ_TARGETS = ("gfx942",)  # targets whose native FP8 is e4m3fnuz
@@ -132,6 +132,14 @@ class _Entry(nn.Module):
         with record_topk() as rec:
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
         return (logits, *[idx for _, idx in rec], *[s for s, _ in rec])
+
+    def probe(self, tokens, start_pos, lengths, slots, state):
+        """prefill or decode + every block's intermediate values (model/taps.py, `dsv4 audit`)."""
+        from dsv4.model.taps import record_taps
+
+        with record_taps(self.model) as taps:
+            logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
+        return (logits, *taps.values())
 
     def score(self, tokens, start_pos, lengths, slots, state, h=None):
         logits = self._run(tokens, start_pos, lengths, slots, state, h, all_logits=True)
@@ -287,7 +295,7 @@ def _trace(fxb: Any, name: str, fn: Callable, args: tuple, dshapes: Any) -> None
 
 
 def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                mlir_path: Path, tag: str) -> None:
+                mlir_path: Path, tag: str, probe: bool = False) -> None:
     """Trace every entry point and import them into one MLIR module (the graph reads parameters by
     name from the .irpa, so tracing never touches weight values). `model` is the Transformer or a
     pipeline `Stage` (a later stage's entry points take the streams `h` [N,T,hc,d] f32 first); every
@@ -318,12 +326,15 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         *[(f"decode_bs{n}", _Entry.step, example(n, 1), None) for n in spec.decode_batch_sizes],
         *[(f"score_bs{n}", _Entry.score, example(n, ex_T), dyn) for n in run.score_bs],
         *([("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn)] if spec.probe_topk else [])]
-    _trace_all(run, fxb, programs, streams, tag)
+    if probe:  # probe_module: the two probe entry points only
+        programs = [(PROBE_PREFILL, _Entry.probe, example(1, ex_T), dyn),
+                    (PROBE_DECODE, _Entry.probe, example(1, 1), None)]
+    _trace_all(run, fxb, programs, streams, tag, extras=not probe)
     _import(run, fxb, mlir_path, tag)
 
 
 def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple, Any]], streams: bool,
-               tag: str) -> None:
+               tag: str, extras: bool = True) -> None:
     """Trace `programs` (name, entry, example args, dynamic shapes), the device samplers and export_id."""
     from .kernel_op import use_kernels
 
@@ -338,6 +349,8 @@ def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple,
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
             log(f"traced {name} ({timings[f'trace:{name}{tag}']:.1f} s)")
+        if not extras:
+            return
         for n in run.sample_bs:
             args = (torch.zeros(n, run.cfg.vocab_size), torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n),
                     torch.zeros(n, dtype=i64))
@@ -361,6 +374,43 @@ def _import(run: "_Run", fxb: Any, mlir_path: Path, tag: str) -> None:
     log(f"imported -> {mlir_path.name} ({mlir_path.stat().st_size / 1e6:.1f} MB, {timings[f'import{tag}']:.1f} s)")
 
 
+PROBE_PREFILL, PROBE_DECODE = "probe_prefill_bs1", "probe_decode_bs1"
+
+
+def probe_module(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike", *,
+                 kernels: Mapping[str, str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> Path:
+    """Compile `model`'s probe for `spec.targets[0]` into `out_dir` and return the vmfb: PROBE_PREFILL
+    (T in the spec's chunk range) and PROBE_DECODE, each ``(tokens[1,T], start_pos, lengths, slots,
+    *state) -> (logits, *taps)`` with the taps in model/taps.py `tap_names` order. The graph is the
+    export's (the same tracing, lowering plan and flags, FP8 flavour of the target), with every
+    block's intermediate values as extra results; it reads the weights by the export's keys, so it
+    runs on an export's .irpa files (`dsv4 audit`). `kernels` {op: implementation} replace the
+    plan's choices (a test's deliberately wrong lowering). `model` may be an `empty_model`."""
+    _compat.apply()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run = _prepare(model, spec, out, None, progress or (lambda s: None))
+    if kernels:
+        run.plan = LoweringPlan({**run.plan.kernels, **kernels}, run.plan.flags)
+    t = spec.targets[0]
+    flavour = "fnuz" if _has_fp8(run.model) and t.name in FNUZ_TARGETS else "default"
+    from dsv4.model.state import state_spec
+
+    mlir_path, vmfb = out / "probe.mlir", out / f"probe.{t.name}.vmfb"
+    with _fp8_dtype(run.model, flavour):
+        _build_mlir(run, run.model, state_spec(run.cfg, spec.n_slots, run.act), mlir_path, ":probe", probe=True)
+    run.log(f"compiling the probe for {t.label} ...")
+    try:
+        with _heartbeat(run.log, f"compiling the probe for {t.label}"):
+            res = compile_mlir(mlir_path, t, vmfb, list(run.plan.flags[t.name]), log_path=out / f"probe.{t.name}.log")
+    except CompileError as e:
+        raise ExportError(f"compile:{t.label}:probe", str(e), e.ops) from None
+    run.log(f"compiled the probe ({res.seconds:.1f} s)")
+    mlir_path.unlink(missing_ok=True)
+    return vmfb
+
+
 @dataclass
 class _Run:
     """One export in progress: the model, its spec and lowering plan, where the files go, the timings."""
@@ -377,6 +427,7 @@ class _Run:
     timings: dict[str, float] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # weight file -> sha256, recorded in config.json
     stage: Path = Path()  # the temporary directory the files are built in
+    source: dict[str, Any] | None = None  # where the weights came from (config.json's "source")
 
     @property
     def cfg(self) -> Any:
@@ -405,7 +456,8 @@ class _Run:
 
 def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike", *,
                  weights: "WeightSource | str | None" = "model", tokenizer: "str | os.PathLike | None" = None,
-                 progress: Callable[[str], None] | None = None, force: bool = False) -> ExportResult:
+                 progress: Callable[[str], None] | None = None, force: bool = False,
+                 source: Mapping[str, Any] | None = None) -> ExportResult:
     """Export `model` (a dsv4 Transformer, for `spec`) into `out_dir`; see the module docstring.
 
     `weights` says what goes into the .irpa: "model" (the model's own parameters), None (none:
@@ -413,12 +465,15 @@ def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike
     with (inventory, FP8 dtype name) that yields (key, array, dtype name) one tensor at a time (random
     weights, a release checkpoint streamed shard by shard); with None or a source, `model` may be an
     `empty_model` whose memory is never touched. `tokenizer`: a tokenizer.json (or its directory) to
-    copy in. `force` replaces a non-empty `out_dir` that is not a dsv4 export. Raises ExportError
+    copy in. `force` replaces a non-empty `out_dir` that is not a dsv4 export. `source` says where the
+    weights came from (config.json's ``source``: {"checkpoint": path} or {"preset", "seed"}; what
+    `dsv4 audit` compares the export with). Raises ExportError
     naming the failing stage (and op, when known); `out_dir` is then unchanged (a compile log is kept
     beside it as ``<out_dir>.<target>.log``). Returns the config.json dict and per-stage timings (s)."""
     _compat.apply()
     t_all = time.perf_counter()
     run = _prepare(model, spec, Path(out_dir), weights, progress or (lambda s: None))
+    run.source = dict(source) if source else None
     tok_src = _tokenizer_source(tokenizer)
     try:
         check_out_dir(run.out, force=force)
@@ -591,7 +646,7 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
                                    "results": ["logits", "topk...", "topk_scores..."]}
     devices = (pipeline_layout(cfg, spec.devices) if spec.pipeline else
                layout(cfg, spec.devices) if spec.devices > 1 else None)
-    return build_config(
+    config = build_config(
         model=cfg.to_dict(), activation_dtype=STATE_DTYPE_NAMES[run.act], n_slots=spec.n_slots,
         max_seq_len=cfg.max_seq_len, prefill_batch_sizes=list(spec.batch_sizes), min_tokens=run.min_tokens,
         max_tokens=run.max_chunk, decode_batch_sizes=list(spec.decode_batch_sizes), score_batch_sizes=run.score_bs,
@@ -600,6 +655,9 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
         extra_functions=extra, weights={"tensors": [t.to_json() for t in first[1]], "shard_bytes": SHARD_BYTES},
         devices=devices, sha256=run.digests,
         lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)})
+    if run.source:
+        config["source"] = run.source
+    return config
 
 
 def _fp8_name(flavour: str) -> str:

@@ -74,8 +74,8 @@ def test_top_help_lists_every_command_and_imports_none_of_them() -> None:
     assert "LOADED []" in r.stdout, r.stdout
     listed = re.findall(r"^    (\w+)", r.stdout, re.M)
     assert listed == list(COMMANDS), listed
-    assert set(COMMANDS) == {"export", "generate", "score", "serve", "bench", "check", "weights", "checkpoint",
-                             "eager"}
+    assert set(COMMANDS) == {"export", "generate", "score", "serve", "bench", "audit", "check", "weights",
+                             "checkpoint", "eager"}
 
 
 def test_pyproject_points_dsv4_at_the_cli_package() -> None:

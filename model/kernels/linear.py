@@ -96,7 +96,7 @@ def fp8_act_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
 # and spreads through the next layers' roundings; on a random-weight Flash two correct paths (eager
 # prefilled in one chunk or two) end up percents apart. Without it (and with --quant-sim off) the model
 # is a continuous function and two implementations agree to their summation order, which is what
-# `dsv4 export --kernel '*=weight_only'` + bench/compiled_vs_eager.py checks (docs/numerics.md).
+# `dsv4 export --kernel '*=weight_only'` + `dsv4 audit` checks (docs/numerics.md).
 
 
 # One function per format serves both the [N, K] and the stacked [E, N, K] hooks (matmul broadcasts).
