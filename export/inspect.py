@@ -13,9 +13,10 @@ For one target of an export made with ``--keep-mlir``:
    comes from the operand shapes, and a contraction (a reduction with two operands indexed by the
    reduced dimension and a multiply-add body) counts 2 FLOPs per point of its iteration space; every
    other op counts its body's arithmetic ops per point. Bytes are the tensors each dispatch loads from
-   and stores to its bindings (what the IR moves; a gather, ``tensor.extract`` in a body, counts its
-   whole table, so its bytes are an upper bound). A dynamic size (``?``, the prefill's token count) is
-   taken as ``rows``.
+   and stores to its bindings; a table read only by ``tensor.extract`` in a body (a gather) counts one
+   element per extract and iteration point, at most the table. A dynamic size is what the host program
+   computes for the call (push constants and workload, evaluated from the entry point's dynamic input
+   size, the prefill's token count, taken as ``rows``).
 3. The code objects in the export's vmfb (compiled from the same MLIR with the same flags) say whether
    each kernel uses the matrix instructions: ``v_mfma``/``v_smfmac``/``v_wmma`` in the AMDGPU
    disassembly (``llvm-objdump-19``, Debian's llvm-19), ``mma``/``wgmma`` in the PTX of cuda. Kernels
@@ -82,10 +83,6 @@ _NAME_DIMS = re.compile(r"^[0-9D]+(?:x[0-9D]+)*$")
 _DISPATCH_NAME = re.compile(r"_dispatch_\d+(?:_(.*))?$")
 _MAP_ALIAS = re.compile(r"^(#map\d*) = affine_map<(.*)>\s*$")
 _GENERIC = re.compile(r"^(\s*)(?:%[\w:#]+ = )?linalg\.generic \{(.*)\}\s+(?:ins\((.*?)\)\s+)?outs\((.*?)\)\s*(?:attrs = .*)?\{\s*$")
-_OTHER_OP = re.compile(r"=\s+\"?((?:linalg|iree_linalg_ext|iree_codegen|iree_gpu|iree_encoding)\.[\w.]+)")
-_BODY_OP = re.compile(r"=\s+\"?([a-z_]+\.[\w.]+)")
-_LOAD = re.compile(r"iree_tensor_ext\.dispatch\.tensor\.load\b.*->\s*(tensor<[^>]*>)\s*$")
-_STORE = re.compile(r"iree_tensor_ext\.dispatch\.tensor\.store\b.*?:\s*(tensor<[^>]*>)\s*->")
 _DISPATCH_OP = re.compile(r"\bstream\.cmd\.dispatch\s+(?:\{\s*)?@([\w$.-]+)::@([\w$.-]+)::@([\w$.-]+)")
 _EXPORT = re.compile(r"\bhal\.executable\.export\s+(?:public\s+|private\s+)?@([\w$.-]+)")
 _DEV_FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\(")
@@ -115,13 +112,6 @@ def elem_bytes(elem: str) -> float:
         return _ELEM_BYTES[elem]
     except KeyError:
         raise ValueError(f"unknown element type {elem!r} (its size is not known to dsv4 inspect)") from None
-
-
-def tensor_bytes(text: str, rows: int) -> tuple[float, bool]:
-    """Bytes of a tensor type with every dynamic size taken as ``rows``; and whether one was dynamic."""
-    shape, elem = tensor_type(text)
-    n = math.prod(rows if d is None else d for d in shape)
-    return n * elem_bytes(elem), any(d is None for d in shape)
 
 
 def split_top(text: str, sep: str = ",") -> list[str]:
@@ -164,42 +154,37 @@ class AffineMap:
 
 @dataclass(frozen=True)
 class LinalgOp:
-    """A ``linalg.generic``: its maps, iterator types, operand types and its body's op names."""
+    """A ``linalg.generic`` of one call: its maps, iterator types, its operands' shapes (every size known)
+    and element types, and its body's op names."""
 
     maps: tuple[AffineMap, ...]
     iterators: tuple[str, ...]  # "parallel" | "reduction"
-    inputs: tuple[str, ...]  # operand types as printed
-    outputs: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # the inputs', then the outputs' ((): a scalar)
+    n_inputs: int
     body: tuple[str, ...]  # op names in the body, e.g. ("arith.extf", "arith.mulf", "arith.addf")
+    extracts: tuple[str, ...] = ()  # the tensors its body reads with tensor.extract (SSA names)
 
-    def ranges(self, rows: int) -> tuple[list[int], bool]:
-        """The loop ranges (a dynamic size as ``rows``) and whether any was dynamic. A loop that no
-        operand indexes directly (only through an expression) is an error."""
+    def ranges(self) -> list[int]:
+        """The loop ranges. A loop that no operand indexes directly (only through an expression) is an
+        error."""
         ranges: list[int | None] = [None] * len(self.iterators)
-        dynamic = [False] * len(self.iterators)
-        for typ, amap in zip((*self.inputs, *self.outputs), self.maps):
-            shape, _ = tensor_type(typ)
+        for shape, amap in zip(self.shapes, self.maps):
             for j, size in enumerate(shape):
                 k = amap.dim(j)
-                if k is None:
-                    continue
-                if size is not None:
-                    ranges[k], dynamic[k] = size, False
-                elif ranges[k] is None:
-                    ranges[k], dynamic[k] = rows, True
+                if k is not None and ranges[k] is None:
+                    ranges[k] = size
         if any(r is None for r in ranges):
             raise ValueError(f"a loop of a linalg.generic is not a plain dimension of any operand: {self.maps}")
-        return [int(r) for r in ranges], any(dynamic)
+        return [int(r) for r in ranges]
+
+    def _dims(self, i: int) -> set[int]:
+        amap = self.maps[i]
+        return {k for j in range(len(amap.results)) if (k := amap.dim(j)) is not None}
 
     def operands_of_reduction(self) -> list[int]:
         """Inputs whose map reads a reduction loop."""
         red = {k for k, it in enumerate(self.iterators) if it == "reduction"}
-        out = []
-        for i in range(len(self.inputs)):
-            amap = self.maps[i]
-            if any(amap.dim(j) in red for j in range(len(amap.results))):
-                out.append(i)
-        return out
+        return [i for i in range(self.n_inputs) if self._dims(i) & red]
 
     @property
     def is_contraction(self) -> bool:
@@ -207,70 +192,91 @@ class LinalgOp:
         if "reduction" not in self.iterators or len(self.operands_of_reduction()) < 2:
             return False
         ops = set(self.body)
-        return bool(ops & {"arith.mulf", "arith.muli"}) and bool(ops & {"arith.addf", "arith.addi"}) \
+        return (bool(ops & {"arith.mulf", "arith.muli"}) and bool(ops & {"arith.addf", "arith.addi"})) \
             or bool(ops & _FMA_OPS)
 
-    def flops(self, rows: int) -> int:
-        ranges, _ = self.ranges(rows)
-        points = math.prod(ranges)
+    @property
+    def points(self) -> int:
+        return math.prod(self.ranges())
+
+    def flops(self) -> int:
         if self.is_contraction:
-            return 2 * points
+            return 2 * self.points
         per_point = sum(2 if o in _FMA_OPS else 1 for o in self.body if o in _FLOP_OPS or o.startswith("math."))
-        return per_point * points
+        return per_point * self.points
 
-    def rows_cols(self, rows: int) -> tuple[int | None, int | None]:
+    def rows_cols(self) -> tuple[int, int]:
         """A contraction's M and N: the parallel loops that only the first / only the second operand
-        (and the result) index; batch loops are in all three. None: a dynamic size."""
+        (and the result) index; batch loops are in all three."""
         a, b = self.operands_of_reduction()[:2]
-        ranges, _ = self.ranges(rows)
-
-        def dims(i: int) -> set[int]:
-            amap = self.maps[i]
-            return {k for j in range(len(amap.results)) if (k := amap.dim(j)) is not None}
-
+        ranges = self.ranges()
         par = {k for k, it in enumerate(self.iterators) if it == "parallel"}
-        out = dims(len(self.inputs))
-        da, db = dims(a), dims(b)
-        m_dims, n_dims = (par & da & out) - db, (par & db & out) - da
-        dyn_loops = self._dynamic_loops()
-        m = None if m_dims & dyn_loops else math.prod(ranges[k] for k in m_dims)
-        n = None if n_dims & dyn_loops else math.prod(ranges[k] for k in n_dims)
-        return m, n
-
-    def _dynamic_loops(self) -> set[int]:
-        static, dyn = set(), set()
-        for typ, amap in zip((*self.inputs, *self.outputs), self.maps):
-            shape, _ = tensor_type(typ)
-            for j, size in enumerate(shape):
-                k = amap.dim(j)
-                if k is not None:
-                    (dyn if size is None else static).add(k)
-        return dyn - static
+        out, da, db = self._dims(self.n_inputs), self._dims(a), self._dims(b)
+        return (math.prod(ranges[k] for k in (par & da & out) - db),
+                math.prod(ranges[k] for k in (par & db & out) - da))
 
 
-def _parse_generic(header: re.Match, body: list[str], aliases: Mapping[str, AffineMap]) -> LinalgOp:
-    attrs, ins, outs = header.group(2), header.group(3), header.group(4)
-    m = re.search(r"indexing_maps = \[(.*?)\]\s*,\s*iterator_types", attrs)
-    if m is None:
-        raise ValueError(f"linalg.generic without indexing_maps: {attrs[:200]}")
-    maps = []
-    for item in split_top(m.group(1)):
-        if item.startswith("affine_map<"):
-            maps.append(AffineMap.parse(item[len("affine_map<"):-1]))
-        elif item in aliases:
-            maps.append(aliases[item])
-        else:
-            raise ValueError(f"unknown affine map {item!r}")
-    it = re.search(r"iterator_types = \[(.*?)\]", attrs)
-    iterators = tuple(re.findall(r"(parallel|reduction)", it.group(1))) if it else ()
+# ------------------------------------------------------------------------------------------------
+# Integer values: the host program's sizes and a dispatch's push constants (what a dynamic size is)
+# ------------------------------------------------------------------------------------------------
 
-    def types(operands: str | None) -> tuple[str, ...]:
-        if not operands or " : " not in operands:
-            return ()
-        return tuple(split_top(operands.split(" : ", 1)[1]))
+_ASSIGN = re.compile(r"^\s*(%[\w$.-]+)(?::(\d+))?\s*=\s*\"?([\w.]+)\"?\s*(.*)$")
+_SSA = re.compile(r"%[\w$.-]+(?:#\d+)?")
+_BINARY = {
+    "arith.addi": lambda a, b: a + b, "arith.subi": lambda a, b: a - b, "arith.muli": lambda a, b: a * b,
+    "arith.divui": lambda a, b: a // b, "arith.divsi": lambda a, b: int(a / b) if b else None,
+    "arith.floordivsi": lambda a, b: a // b, "arith.ceildivui": lambda a, b: -(-a // b),
+    "arith.ceildivsi": lambda a, b: -(-a // b), "arith.remui": lambda a, b: a % b,
+    "arith.remsi": lambda a, b: int(math.fmod(a, b)), "arith.andi": lambda a, b: a & b,
+    "arith.ori": lambda a, b: a | b, "arith.xori": lambda a, b: a ^ b, "arith.shli": lambda a, b: a << b,
+    "arith.shrui": lambda a, b: a >> b, "arith.shrsi": lambda a, b: a >> b, "arith.maxui": max,
+    "arith.maxsi": max, "arith.minui": min, "arith.minsi": min,
+    "util.align": lambda a, b: -(-a // b) * b,
+}
+_UNARY = ("arith.index_cast", "arith.index_castui", "arith.extui", "arith.extsi", "arith.trunci")
+_CMP = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "slt": lambda a, b: a < b,
+        "sle": lambda a, b: a <= b, "sgt": lambda a, b: a > b, "sge": lambda a, b: a >= b,
+        "ult": lambda a, b: a < b, "ule": lambda a, b: a <= b, "ugt": lambda a, b: a > b,
+        "uge": lambda a, b: a >= b}
 
-    body_ops = tuple(b.group(1) for b in map(_BODY_OP.search, body) if b)
-    return LinalgOp(tuple(maps), iterators, types(ins), types(outs), body_ops)
+
+def eval_int(name: str, count: int, op: str, rest: str, env: dict[str, int]) -> None:
+    """Evaluate one integer op of the host or a dispatch into ``env`` (an op whose operands are unknown,
+    or one not listed here, leaves its result unknown)."""
+    args = _SSA.findall(rest.split(" : ")[0]) if op != "arith.constant" else []
+    if op == "arith.constant":
+        m = re.match(r"^(-?\d+|true|false)\s*:\s*(index|i\d+)\s*$", rest.strip())
+        if m:
+            env[name] = {"true": 1, "false": 0}.get(m.group(1), None) if m.group(1) in ("true", "false") \
+                else int(m.group(1))
+        return
+    if op == "util.assume.int":
+        for i, a in enumerate(args[:count or 1]):
+            if a in env:
+                env[f"{name}#{i}" if count else name] = env[a]
+        return
+    vals = [env.get(a) for a in args]
+    if any(v is None for v in vals) or not vals:
+        return
+    if op in _UNARY or op == "iree_tensor_ext.dispatch.workload.ordinal":
+        v = vals[0]
+        if op == "arith.trunci":
+            m = re.search(r"to i(\d+)", rest)
+            v = v & ((1 << int(m.group(1))) - 1) if m else v
+        env[name] = v
+    elif op in _BINARY and len(vals) >= 2:
+        try:
+            r = _BINARY[op](vals[0], vals[1])
+        except ZeroDivisionError:
+            r = None
+        if r is not None:
+            env[name] = r
+    elif op == "arith.select" and len(vals) == 3:
+        env[name] = vals[1] if vals[0] else vals[2]
+    elif op == "arith.cmpi":
+        m = re.match(r"^\s*(\w+),", rest)
+        if m and m.group(1) in _CMP:
+            env[name] = int(_CMP[m.group(1)](vals[0], vals[1]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,19 +285,20 @@ def _parse_generic(header: re.Match, body: list[str], aliases: Mapping[str, Affi
 
 @dataclass(frozen=True)
 class DispatchInfo:
-    """One dispatch (a ``hal.executable.export``), from its source and its name."""
+    """One dispatch call's numbers, from its source (a ``hal.executable.export``) and its name."""
 
     name: str
     kind: str  # IREE's name for its root op: matmul_like, contract, elementwise, reduction, ...
     shape: str  # the root op's loop ranges as named ("D": dynamic)
     types: str
-    flops: int  # every op (a dynamic size taken as rows)
+    flops: int  # every op
     matmul_flops: int  # the contractions' share of flops
-    bytes: int  # tensors loaded from and stored to its bindings
-    dynamic: bool  # a size in its IR is dynamic (taken as rows)
+    bytes: int  # tensors loaded from and stored to its bindings (a gathered table: what is extracted)
     contraction: bool  # it holds a contraction
     multi_row: bool  # its largest contraction has more than one row and column (M > 1 and N > 1)
-    gather: bool  # a body reads with tensor.extract: bytes count the whole table
+    mnk: tuple[int, int, int] = (0, 0, 0)  # the largest contraction's M, N and reduced size
+    gather: bool = False  # a body reads a loaded tensor with tensor.extract
+    guessed: bool = False  # a dynamic size was not known from the host program and was taken as rows
     other_ops: tuple[str, ...] = ()  # ops whose FLOPs are not counted (not a linalg.generic)
 
     @property
@@ -311,92 +318,235 @@ def name_parts(name: str) -> tuple[str, str, str]:
     return "_".join(tokens), "", ""
 
 
+def _fill(typ: str, sizes: Sequence[str], env: Mapping[str, int], rows: int) -> tuple[tuple[int, ...], str, bool]:
+    """A tensor type's shape with its ``?`` sizes taken, in order, from the SSA values ``sizes``
+    (a size whose value is unknown: rows, and guessed=True)."""
+    shape, elem = tensor_type(typ)
+    dyn = iter(sizes)
+    out, guessed = [], False
+    for d in shape:
+        if d is not None:
+            out.append(d)
+            continue
+        v = env.get(next(dyn, ""))
+        if v is None:
+            v, guessed = rows, True
+        out.append(int(v))
+    return tuple(out), elem, guessed
+
+
+def _operands(text: str | None) -> tuple[list[str], list[str]]:
+    """``%a, %b : tensor<..>, f32`` -> (["%a", "%b"], ["tensor<..>", "f32"])."""
+    if not text or " : " not in text:
+        return [], []
+    names, types = text.split(" : ", 1)
+    return [n.strip() for n in names.split(",")], split_top(types)
+
+
 @dataclass
 class SourcesIR:
-    """What parse_sources reads: each dispatch's ops and the calls of each host function in order."""
+    """What parse_sources reads: each dispatch function's lines, and for each host function its
+    dispatch calls in order with their push constants and workload (None: not known statically)."""
 
-    ops: dict[str, list[LinalgOp]]  # export name -> its linalg.generic ops
-    other_ops: dict[str, list[str]]  # export name -> other linalg-family ops (not counted as FLOPs)
-    tensors: dict[str, list[tuple[str, str]]]  # export name -> [("load" | "store", tensor type)]
-    calls: dict[str, list[str]]  # host function -> export names of its stream.cmd.dispatch ops
+    funcs: dict[str, list[str]]  # export name -> the lines of its func.func
+    aliases: dict[str, AffineMap]
+    calls: dict[str, list[tuple[str, tuple[int | None, ...], tuple[int | None, ...]]]]
+    _cache: dict = field(default_factory=dict)
 
-    def dispatch(self, name: str, rows: int) -> DispatchInfo:
-        kind, shape, types = name_parts(name)
-        ops = self.ops.get(name, [])
-        flops = mm = 0
-        dynamic = gather = False
-        best: tuple[int, bool] = (-1, False)
-        for op in ops:
-            f = op.flops(rows)
-            flops += f
-            dynamic |= op.ranges(rows)[1]
-            gather |= "tensor.extract" in op.body
-            if op.is_contraction:
-                mm += f
-                if f > best[0]:
-                    m, n = op.rows_cols(rows)
-                    best = (f, (m is None or m > 1) and (n is None or n > 1))
+    def dispatch(self, name: str, rows: int, push: Sequence[int | None] = (),
+                 workload: Sequence[int | None] = ()) -> DispatchInfo:
+        key = (name, rows, tuple(push), tuple(workload))
+        if key not in self._cache:
+            self._cache[key] = self._evaluate(name, rows, push)
+        return self._cache[key]
+
+    def _evaluate(self, name: str, rows: int, push: Sequence[int | None]) -> DispatchInfo:
+        kind, shape_name, types = name_parts(name)
+        env: dict[str, int] = {}
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {}  # tensor SSA value -> (shape, element type)
+        loads: dict[str, tuple[float, str]] = {}  # loaded tensor -> (bytes, how it is used: "" | "whole")
+        extracted: dict[str, float] = collections.defaultdict(float)  # loaded tensor -> bytes extracted
         nbytes = 0.0
-        for _, typ in self.tensors.get(name, []):
-            b, dyn = tensor_bytes(typ, rows)
-            nbytes += b
-            dynamic |= dyn
-        return DispatchInfo(name=name, kind=kind, shape=shape, types=types, flops=flops, matmul_flops=mm,
-                            bytes=int(nbytes), dynamic=dynamic, contraction=best[0] >= 0, multi_row=best[1],
-                            gather=gather, other_ops=tuple(sorted(set(self.other_ops.get(name, [])))))
+        flops = mm = 0
+        best: tuple[int, bool, tuple[int, int, int]] = (-1, False, (0, 0, 0))
+        guessed = gather = False
+        other: set[str] = set()
+        lines = self.funcs.get(name, [])
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            i += 1
+            g = _GENERIC.match(line)
+            if g is not None:
+                indent = g.group(1)
+                body = []
+                while i < len(lines) and not (lines[i].startswith(indent + "}") and not lines[i].startswith(indent + " ")):
+                    body.append(lines[i])
+                    i += 1
+                res = _ASSIGN.match(line)
+                op, op_guessed = self._generic(g, body, shapes, rows)
+                guessed |= op_guessed
+                if res is not None:
+                    _, _, outs = g.group(2), g.group(3), g.group(4)
+                    out_names, _ = _operands(outs)
+                    for k, o in enumerate(out_names):
+                        if o in shapes:
+                            shapes[f"{res.group(1)}#{k}" if res.group(2) else res.group(1)] = shapes[o]
+                f = op.flops()
+                flops += f
+                for t in op.extracts:
+                    if t in loads:
+                        gather = True
+                        extracted[t] += op.points * elem_bytes(shapes[t][1])  # one element per point
+                ins_names, _ = _operands(g.group(3))
+                out_names, _ = _operands(g.group(4))
+                for n in (*ins_names, *out_names):
+                    if n in loads:
+                        loads[n] = (loads[n][0], "whole")
+                if op.is_contraction:
+                    mm += f
+                    if f > best[0]:
+                        m_, n_ = op.rows_cols()
+                        k_ = f // (2 * max(1, m_ * n_)) if m_ * n_ else 0
+                        best = (f, m_ > 1 and n_ > 1, (m_, n_, k_))
+                continue
+            a = _ASSIGN.match(line)
+            if a is None:
+                if "iree_tensor_ext.dispatch.tensor.store" in line:
+                    m = re.search(r":\s*(tensor<[^>]*>)\s*->.*?(?:\{([^}]*)\})?\s*$", line)
+                    src = _SSA.search(line.split("store", 1)[1])
+                    if m and src and src.group(0) in shapes:
+                        shp, elem = shapes[src.group(0)]
+                        nbytes += math.prod(shp) * elem_bytes(elem)
+                    elif m:
+                        shp, elem, gu = _fill(m.group(1), [], env, rows)
+                        nbytes += math.prod(shp) * elem_bytes(elem)
+                        guessed |= gu
+                continue
+            res, count, op, rest = a.group(1), int(a.group(2) or 0), a.group(3), a.group(4)
+            if op == "util.assume.int" and count:
+                while i < len(lines) and not rest.rstrip().endswith(":") and " : " not in rest:
+                    nxt = lines[i].strip()
+                    i += 1
+                    if nxt.startswith(":"):  # the result types close the op
+                        rest += " : " + nxt[1:].strip()
+                        break
+                    rest += " " + nxt
+                rest = " ".join(split_top(rest.split(" : ")[0]))  # operands only (their bounds dropped)
+                rest = ", ".join(m.group(0) for m in re.finditer(r"(?:^|\s)(%[\w$.-]+)", rest)) + " : index"
+                eval_int(res, count, op, rest, env)
+            elif op == "hal.interface.constant.load":
+                m = re.search(r"ordinal\((\d+)\)", rest)
+                k = int(m.group(1)) if m else -1
+                if 0 <= k < len(push) and push[k] is not None:
+                    env[res] = int(push[k])
+            elif op == "iree_tensor_ext.dispatch.tensor.load":
+                m = re.search(r"sizes = \[([^\]]*)\].*->\s*(tensor<[^>]*>)\s*$", rest)
+                if m:
+                    dyn = [s.strip() for s in m.group(1).split(",") if s.strip().startswith("%")]
+                    shp, elem, gu = _fill(m.group(2), dyn, env, rows)
+                    guessed |= gu
+                    shapes[res] = (shp, elem)
+                    loads[res] = (math.prod(shp) * elem_bytes(elem), "")
+            elif op == "tensor.empty":
+                m = re.match(r"^\(([^)]*)\)\s*:\s*(tensor<[^>]*>)", rest)
+                if m:
+                    shp, elem, gu = _fill(m.group(2), _SSA.findall(m.group(1)), env, rows)
+                    guessed |= gu
+                    shapes[res] = (shp, elem)
+            elif op.startswith(("linalg.", "iree_linalg_ext.", "iree_codegen.", "iree_gpu.", "iree_encoding.")):
+                other.add(op)
+                outs = re.search(r"outs\(([^)]*)\)", rest)
+                out_names, _ = _operands(outs.group(1) if outs else None)
+                for n in _operands(re.search(r"ins\(([^)]*)\)", rest).group(1) if "ins(" in rest else None)[0] + out_names:
+                    if n in loads:
+                        loads[n] = (loads[n][0], "whole")
+                for k, o in enumerate(out_names):
+                    if o in shapes:
+                        shapes[f"{res}#{k}" if count else res] = shapes[o]
+            else:
+                eval_int(res, count, op, rest, env)
+        for t, (b, use) in loads.items():
+            nbytes += b if use == "whole" or t not in extracted else min(b, extracted[t])
+        return DispatchInfo(name=name, kind=kind, shape=shape_name, types=types, flops=flops, matmul_flops=mm,
+                            bytes=int(nbytes), contraction=best[0] >= 0, multi_row=best[1], mnk=best[2],
+                            gather=gather, guessed=guessed, other_ops=tuple(sorted(other)))
+
+    def _generic(self, g: re.Match, body: list[str], shapes: Mapping[str, tuple[tuple[int, ...], str]],
+                 rows: int) -> tuple[LinalgOp, bool]:
+        attrs = g.group(2)
+        m = re.search(r"indexing_maps = \[(.*?)\]\s*,\s*iterator_types", attrs)
+        if m is None:
+            raise ValueError(f"linalg.generic without indexing_maps: {attrs[:200]}")
+        maps = []
+        for item in split_top(m.group(1)):
+            if item.startswith("affine_map<"):
+                maps.append(AffineMap.parse(item[len("affine_map<"):-1]))
+            elif item in self.aliases:
+                maps.append(self.aliases[item])
+            else:
+                raise ValueError(f"unknown affine map {item!r}")
+        it = re.search(r"iterator_types = \[(.*?)\]", attrs)
+        iterators = tuple(re.findall(r"(parallel|reduction)", it.group(1))) if it else ()
+        op_shapes, guessed = [], False
+        ins, in_types = _operands(g.group(3))
+        outs, out_types = _operands(g.group(4))
+        for n, t in zip((*ins, *outs), (*in_types, *out_types)):
+            if n in shapes:
+                op_shapes.append(shapes[n][0])
+            else:
+                shp, _, gu = _fill(t, [], {}, rows)
+                guessed |= gu and "?" in t
+                op_shapes.append(shp)
+        body_ops = tuple(b.group(3) for b in map(_ASSIGN.match, body) if b)
+        extracts = tuple(m.group(1) for b in body for m in [re.search(r"tensor\.extract (%[\w$.-]+)\[", b)] if m)
+        return LinalgOp(tuple(maps), iterators, tuple(op_shapes), len(ins), body_ops, extracts), guessed
 
 
-def parse_sources(text: str) -> SourcesIR:
-    """Read an ``--compile-to=executable-sources`` module whose named linalg ops were generalized."""
+def parse_sources(text: str, rows: int) -> SourcesIR:
+    """Read an ``--compile-to=executable-sources`` module whose named linalg ops were generalized; the
+    host's integer sizes are evaluated with each dynamic input size (``hal.buffer_view.dim``: the
+    prefill's token count) taken as ``rows``."""
     aliases: dict[str, AffineMap] = {}
-    ops: dict[str, list[LinalgOp]] = collections.defaultdict(list)
-    other: dict[str, list[str]] = collections.defaultdict(list)
-    tensors: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
-    calls: dict[str, list[str]] = {}
-    dev_func: str | None = None
-    host_func: str | None = None
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        i += 1
+    funcs: dict[str, list[str]] = {}
+    calls: dict[str, list[tuple[str, tuple[int | None, ...], tuple[int | None, ...]]]] = {}
+    dev: list[str] | None = None
+    host: str | None = None
+    env: dict[str, int] = {}
+    for line in text.splitlines():
         if line.startswith("#map"):
             m = _MAP_ALIAS.match(line)
             if m:
                 aliases[m.group(1)] = AffineMap.parse(m.group(2))
             continue
         if (m := _DEV_FUNC.match(line)) is not None:
-            dev_func, host_func = m.group(1), None
+            dev, host = funcs.setdefault(m.group(1), []), None
             continue
-        if (m := _HOST_FUNC.match(line)) is not None:
-            host_func, dev_func = m.group(1).strip('"'), None
-            calls.setdefault(host_func, [])
+        if (m := _HOST_FUNC.match(line)) is not None or _INITIALIZER.match(line):
+            host, dev, env = (m.group(1).strip('"') if m else "<initializer>"), None, {}
+            calls.setdefault(host, [])
             continue
-        if _INITIALIZER.match(line):
-            host_func, dev_func = "<initializer>", None
-            calls.setdefault(host_func, [])
+        if dev is not None:
+            dev.append(line)
             continue
-        if host_func is not None:
-            if (m := _DISPATCH_OP.search(line)) is not None:
-                calls[host_func].append(m.group(3))
+        if host is None:
             continue
-        if dev_func is None:
+        if (m := _DISPATCH_OP.search(line)) is not None:
+            tail = line[m.end():]
+            wl = re.match(r"^\[([^\]]*)\]", tail)
+            pc = re.search(r"\(([^)]*?)\s*:\s*[^)]*\)", tail[wl.end() if wl else 0:]) if "(" in tail else None
+            work = tuple(env.get(x) for x in _SSA.findall(wl.group(1))) if wl else ()
+            push = tuple(env.get(x) for x in _SSA.findall(pc.group(1))) if pc else ()
+            calls[host].append((m.group(3), push, work))
             continue
-        if (m := _GENERIC.match(line)) is not None:
-            indent = m.group(1)
-            body = []
-            while i < len(lines) and not (lines[i].startswith(indent + "}") and not lines[i].startswith(indent + " ")):
-                body.append(lines[i])
-                i += 1
-            ops[dev_func].append(_parse_generic(m, body, aliases))
+        a = _ASSIGN.match(line)
+        if a is None:
             continue
-        if (m := _LOAD.search(line)) is not None:
-            tensors[dev_func].append(("load", m.group(1)))
-        elif (m := _STORE.search(line)) is not None:
-            tensors[dev_func].append(("store", m.group(1)))
-        elif (m := _OTHER_OP.search(line)) is not None and m.group(1) != "linalg.yield":
-            other[dev_func].append(m.group(1))
-    return SourcesIR(dict(ops), dict(other), dict(tensors), calls)
+        if a.group(3) == "hal.buffer_view.dim":
+            env[a.group(1)] = rows
+        else:
+            eval_int(a.group(1), int(a.group(2) or 0), a.group(3), a.group(4), env)
+    return SourcesIR(funcs, aliases, calls)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -542,7 +692,7 @@ class EntryReport:
             "matmul_flops_on_matrix": on if detect else None,
             "matrix_share": (on / mm if mm else None) if detect else None,
             "bytes": sum(d.info.bytes for d in self.calls),
-            "dynamic": any(d.info.dynamic for d in self.calls),
+            "guessed": sum(1 for d in self.calls if d.info.guessed),
             "matmul_kernels": len(mm_kernels),
             "matmul_kernels_on_matrix": sum(1 for d in mm_kernels if d.matrix) if detect else None,
             "multi_row_matmul_kernels": len(multi),
@@ -577,7 +727,6 @@ def build_report(ir: SourcesIR, matrix: Mapping[str, Mapping[str, int]] | None, 
                  entries: Sequence[str] | None = None) -> list[EntryReport]:
     """Entry reports from parsed sources and the kernels' matrix instructions (None: not detected).
     A dispatch with no kernel of its name in the code is an error (the vmfb is not this MLIR's)."""
-    infos: dict[str, DispatchInfo] = {}
     out = []
     for func, names in ir.calls.items():
         if not names:
@@ -586,15 +735,16 @@ def build_report(ir: SourcesIR, matrix: Mapping[str, Mapping[str, int]] | None, 
         if entries and entry not in entries:
             continue
         calls = []
-        for n in names:
-            info = infos.get(n) or infos.setdefault(n, ir.dispatch(n, rows))
+        for n, push, work in names:
+            info = ir.dispatch(n, rows, push, work)
             if matrix is None:
                 calls.append(Dispatch(info, None))
                 continue
-            if n not in matrix:
+            ops = matrix.get(n, matrix.get(re.sub(r"[^\w]", "_", n)))  # PTX symbols spell $ as _
+            if ops is None:
                 raise ValueError(f"kernel {n} is not in the vmfb's code: was the vmfb compiled from this "
                                  "model.mlir with config.json's flags? (re-export with --keep-mlir)")
-            calls.append(Dispatch(info, bool(matrix[n]), dict(matrix[n])))
+            calls.append(Dispatch(info, bool(ops), dict(ops)))
         out.append(EntryReport(entry, calls))
     if entries:
         missing = sorted(set(entries) - {e.function for e in out})
@@ -705,7 +855,7 @@ def inspect_export(export_dir: "str | Path", target: str | None = None, *, rows:
             executable_sources(mlir, flags, src)
             seconds[f"sources:{mlir.name}"] = round(time.perf_counter() - t0, 1)
             t0 = time.perf_counter()
-            ir = parse_sources(src.read_text())
+            ir = parse_sources(src.read_text(), rows)
             say(f"reading the code objects of {vmfb} ...")
             matrix = kernel_matrix_ops(d / vmfb, kind, arch)
             reports += build_report(ir, matrix, rows, entries)
@@ -753,7 +903,7 @@ def format_report(rep: InspectReport, *, top: int | None = None, matmul_only: bo
         for d, c in rows:
             i = d.info
             mx = "-" if d.matrix is None else ("yes" if d.matrix else "no")
-            extra = " (gather: bytes of the whole table)" if i.gather else ""
+            extra = " (gather)" if i.gather else ""
             extra += f" (uncounted: {', '.join(i.other_ops)})" if i.other_ops else ""
             lines.append(f"  {c:>5} {i.kind[:18]:<18} {i.shape[:22]:<22} {_si(i.flops, ''):>12} "
                          f"{_si(i.bytes, 'B'):>11} {mx:<7} {i.types}{extra}  [{i.name.split('$')[-1]}]")
