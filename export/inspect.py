@@ -117,10 +117,10 @@ def elem_bytes(elem: str) -> float:
 def split_top(text: str, sep: str = ",") -> list[str]:
     """Split at ``sep`` outside of (), [], <>."""
     out, depth, cur = [], 0, []
-    for ch in text:
+    for k, ch in enumerate(text):
         if ch in "([<{":
             depth += 1
-        elif ch in ")]>}":
+        elif ch in ")]}" or (ch == ">" and text[k - 1:k] != "-"):  # "->" closes nothing
             depth -= 1
         if ch == sep and depth == 0:
             out.append("".join(cur).strip())
@@ -296,7 +296,7 @@ class DispatchInfo:
     bytes: int  # tensors loaded from and stored to its bindings (a gathered table: what is extracted)
     contraction: bool  # it holds a contraction
     multi_row: bool  # its largest contraction has more than one row and column (M > 1 and N > 1)
-    mnk: tuple[int, int, int] = (0, 0, 0)  # the largest contraction's M, N and reduced size
+    mnk: tuple[int, int, int] = (0, 0, 0)  # the largest contraction's M, N and K (batch loops apart)
     gather: bool = False  # a body reads a loaded tensor with tensor.extract
     guessed: bool = False  # a dynamic size was not known from the host program and was taken as rows
     other_ops: tuple[str, ...] = ()  # ops whose FLOPs are not counted (not a linalg.generic)
@@ -407,7 +407,7 @@ class SourcesIR:
                     mm += f
                     if f > best[0]:
                         m_, n_ = op.rows_cols()
-                        k_ = f // (2 * max(1, m_ * n_)) if m_ * n_ else 0
+                        k_ = math.prod(r for r, it in zip(op.ranges(), op.iterators) if it == "reduction")
                         best = (f, m_ > 1 and n_ > 1, (m_, n_, k_))
                 continue
             a = _ASSIGN.match(line)
@@ -750,7 +750,7 @@ def build_report(ir: SourcesIR, matrix: Mapping[str, Mapping[str, int]] | None, 
         missing = sorted(set(entries) - {e.function for e in out})
         if missing:
             raise ValueError(f"no entry point {', '.join(missing)}; the export has "
-                             f"{', '.join(sorted(_entry_name(f) for f, n in ir.calls.items() if n))}")
+                             f"{', '.join(sorted(_entry_name(f) for f, n in ir.calls.items() if n and not f.startswith('<')))}")
     return out
 
 
