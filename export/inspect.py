@@ -898,14 +898,15 @@ def format_report(rep: InspectReport, *, top: int | None = None, matmul_only: bo
             rows = rows[:top]
         if not rows:
             continue
-        lines.append(f"  {'calls':>5} {'kind':<18} {'shape':<22} {'FLOP/call':>12} {'bytes/call':>11} "
-                     f"{'matrix':<7} types / name")
+        lines.append(f"  {'calls':>5} {'kind':<18} {'shape':<22} {'M x N x K':<20} {'FLOP/call':>12} "
+                     f"{'bytes/call':>11} {'matrix':<7} types / name")
         for d, c in rows:
             i = d.info
             mx = "-" if d.matrix is None else ("yes" if d.matrix else "no")
             extra = " (gather)" if i.gather else ""
             extra += f" (uncounted: {', '.join(i.other_ops)})" if i.other_ops else ""
-            lines.append(f"  {c:>5} {i.kind[:18]:<18} {i.shape[:22]:<22} {_si(i.flops, ''):>12} "
+            mnk = "x".join(map(str, i.mnk)) if i.contraction else ""
+            lines.append(f"  {c:>5} {i.kind[:18]:<18} {i.shape[:22]:<22} {mnk:<20} {_si(i.flops, ''):>12} "
                          f"{_si(i.bytes, 'B'):>11} {mx:<7} {i.types}{extra}  [{i.name.split('$')[-1]}]")
     lines.append("")
     lines.append(" ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items()))
