@@ -39,7 +39,7 @@ import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 __all__ = [
     "DispatchInfo",
@@ -84,7 +84,6 @@ _DISPATCH_NAME = re.compile(r"_dispatch_\d+(?:_(.*))?$")
 _MAP_ALIAS = re.compile(r"^(#map\d*) = affine_map<(.*)>\s*$")
 _GENERIC = re.compile(r"^(\s*)(?:%[\w:#]+ = )?linalg\.generic \{(.*)\}\s+(?:ins\((.*?)\)\s+)?outs\((.*?)\)\s*(?:attrs = .*)?\{\s*$")
 _DISPATCH_OP = re.compile(r"\bstream\.cmd\.dispatch\s+(?:\{\s*)?@([\w$.-]+)::@([\w$.-]+)::@([\w$.-]+)")
-_EXPORT = re.compile(r"\bhal\.executable\.export\s+(?:public\s+|private\s+)?@([\w$.-]+)")
 _DEV_FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\(")
 _HOST_FUNC = re.compile(r"^\s*util\.func\s+(?:public\s+|private\s+)?@([\w$.\"-]+)")
 _INITIALIZER = re.compile(r"^\s*util\.initializer\b")
@@ -883,6 +882,8 @@ def totals_line(t: Mapping[str, Any]) -> str:
              _si(t["bytes"], "B"),
              f"multi-row matmul kernels on the matrix cores: {on}/{t['multi_row_matmul_kernels']}"
              if on is not None else f"multi-row matmul kernels: {t['multi_row_matmul_kernels']}"]
+    if t["guessed"]:
+        parts.append(f"{t['guessed']} calls with a dynamic size the host program does not give, taken as rows")
     return "; ".join(parts)
 
 
