@@ -21,8 +21,6 @@ Every one runs as ``python -m dsv4.bench.NAME --help``:
 - ``moe_bytes``: bytes of routed-expert weights one decode step reads, from the traced graph's shapes
   (no weights needed).
 - ``weights_memory``: peak memory of writing weights at real dimensions (run under /usr/bin/time -v).
-- ``gfx942_isa``: matrix-core and FMA instruction counts of a gfx942 vmfb (a static report: no AMD
-  GPU needed, only llvm-objdump).
 
 ``torch_backends`` is the library behind ``speed --compare``, not a benchmark of its own.
 This file imports nothing, so ``dsv4.bench.serve_load`` and ``dsv4.bench.speed`` stay torch-free.

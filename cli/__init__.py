@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("dsv4.cli.audit", "where a compiled export leaves its eager reference, layer by layer: weights "
                                 "and activations (export extra)"),
     "check": ("dsv4.cli.check", "verify an export's files: weight shards' sha256, vmfbs' structure (torch-free)"),
+    "inspect": ("dsv4.cli.inspect", "per entry point of an export: each dispatch's kind, shape, FLOPs, bytes and "
+                                    "whether it uses the matrix cores (gfx942 MFMA, cuda mma; no GPU, no torch)"),
     "weights": ("dsv4.cli.weights", "write an export's weights: weights random OUT (torch-free)"),
     "checkpoint": ("dsv4.cli.checkpoint", "write a random-weight checkpoint in the released layout "
                                           "(checkpoint make -h; export extra)"),

@@ -74,7 +74,7 @@ def test_top_help_lists_every_command_and_imports_none_of_them() -> None:
     assert "LOADED []" in r.stdout, r.stdout
     listed = re.findall(r"^    (\w+)", r.stdout, re.M)
     assert listed == list(COMMANDS), listed
-    assert set(COMMANDS) == {"export", "generate", "score", "serve", "bench", "audit", "check", "weights",
+    assert set(COMMANDS) == {"export", "generate", "score", "serve", "bench", "audit", "check", "inspect", "weights",
                              "checkpoint", "eager"}
 
 
@@ -89,7 +89,7 @@ def test_pyproject_points_dsv4_at_the_cli_package() -> None:
 
 # ---- item 42.3: a runtime-only install --------------------------------------------------------
 
-@pytest.mark.parametrize("cmd", ["export", "generate", "score", "serve", "bench serve", "check", "weights random",
+@pytest.mark.parametrize("cmd", ["export", "generate", "score", "serve", "bench serve", "check", "inspect", "weights random",
                                  "checkpoint make", "eager"])
 def test_every_help_works_without_torch(cmd: str) -> None:
     r = _dsv4(*cmd.split(), "--help", no_torch=True)
