@@ -24,7 +24,7 @@ import torch
 
 from . import kernel
 
-__all__ = ["topk_indices", "topk", "topk_radix", "topk_by_rank", "radix_threshold", "record_topk"]
+__all__ = ["topk_indices", "topk", "topk_radix", "radix_threshold", "record_topk"]
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +87,7 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
 
 
 def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k by radix select (the contract above), as export traces it; a static N up to
-    RANK_MAX takes topk_by_rank instead (the same indices in a few dispatches).
+    """Exact top-k by radix select (the contract above), as export traces it.
 
     1. Bisect the k-th largest order key bit by bit (32 rounds of count(key >= t), each one
        reduction): t = the largest key with at least k entries >= t.
@@ -107,8 +106,6 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     if isinstance(n, int) and k > n:
         raise ValueError(f"top-k: k={k} is larger than the {n} entries")
     key = _order_key(x.float().reshape(-1, n))
-    if isinstance(n, int) and n <= RANK_MAX:
-        return topk_by_rank(key, k).view(*lead, k)
     rows = key.shape[0]
     t = radix_threshold(key, k)
     gt = key > t
@@ -129,30 +126,6 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     # a select, not hit * picks: IREE treats a multiply-sum as a contraction and materializes hit
     out = torch.where(hit, picks[:, None, :].float(), 0.0).sum(-1)
     return out.long().view(*lead, k)
-
-
-# entries up to which topk_radix ranks all pairs (n^2 compares a row) instead of bisecting: the MoE gate
-# (256 experts) and the indexer of a state up to 4k positions (1024 entries)
-RANK_MAX = 1024
-
-
-def topk_by_rank(key: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_radix's result from the order keys [R, N] by ranking every pair: rank_i = #entries that
-    come before i in the contract's order (a larger key, or an equal key at a lower index), a
-    permutation of 0..N-1; out[r, s] = the i whose rank is s. Two reductions over an [R, N, N] and an
-    [R, k, N] comparison, each fused into one dispatch, where the bisection, the prefix counts, the
-    compaction and the ordering of the picks took ~80 dispatches (a third of a Flash-4 decode step's);
-    N^2 compares a row, so only for a static N up to RANK_MAX. Sums in float32 (exact below 2^24;
-    the GPU backends fail on int64 reductions)."""
-    n = key.shape[-1]
-    i = torch.arange(n, device=key.device)
-    ki, kj = key[:, :, None], key[:, None, :]  # [R, i, j]
-    before = torch.logical_or(kj > ki, torch.logical_and(kj == ki, i[None, None, :] < i[None, :, None]))
-    rank = torch.where(before, 1.0, 0.0).sum(-1)  # [R, N]
-    s = torch.arange(k, device=key.device)
-    hit = rank[:, None, :] == s[None, :, None].float()  # [R, slot s, entry i]
-    # a select, not hit * i: IREE treats a multiply-sum as a contraction and materializes hit
-    return torch.where(hit, i.float(), 0.0).sum(-1).long()
 
 
 @kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
