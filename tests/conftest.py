@@ -288,10 +288,10 @@ def embedded_bf16_export() -> Path:
 # model) and tests/test_batch_invariance.py's tiny case (bs1 against bs4 bit for bit). Prefill and decode
 # batch sizes 1 and 4 on 4 slots (decode batches four requests and a fifth one queues; prefill_bs4 is
 # held to eager and profiled by dsv4 bench); a 32-token prefill chunk, so prompts of 33+ tokens take
-# several calls.
+# several calls. Its MLIR is kept for tests/test_inspect.py (dispatch counts against --compile-to=stream).
 TINY_FP32_SEED = 0
 TINY_FP32_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1, 4), decode_batch_sizes=(1, 4), n_slots=4,
-                      max_chunk=32, probe_topk=True)
+                      max_chunk=32, probe_topk=True, keep_mlir=True)
 
 
 def tiny_fp32_cfg() -> Any:
