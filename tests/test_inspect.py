@@ -333,4 +333,4 @@ def test_tiny_export_dispatch_counts_and_a_matmuls_flops(tiny_fp32_export: Path,
     shutil.copytree(out, bare)
     (bare / "model.mlir").unlink()
     with pytest.raises(ValueError, match="has no model.mlir.*--keep-mlir"):
-        I.inspect_export(bare)
+        I.inspect_export(bare, "gfx942")
