@@ -363,7 +363,7 @@ class Report:
             if row["first_divergent_part"]:
                 worst = row["first_divergent_part"]
             e, n = parts[worst]["error"], parts[worst]["noise"]
-            lines.append(f"{row['layer']:>5} {row['kind']:9} {worst:9} {e:9.2e} {n:9.2e} {e / max(n, 1e-30):7.2f}  "
+            lines.append(f"{row['layer']:>5} {row['kind']:9} {worst:9} {e:9.2e} {n:9.2e} {_ratio(e, n)}  "
                          + (f"DIVERGES at {row['first_divergent_part']}" if row["divergent"] else "ok"))
         for label, kind, p, note in (("head", "norm+head", self.parts.get("head"), "on the probe's last streams"),
                                      ("all", "logits", self.logits,
@@ -371,7 +371,7 @@ class Report:
                                       f"probe vs export {self.probe_vs_export:.1e}")):
             if p is not None:
                 lines.append(f"{label:>5} {kind:9} {'logits':9} {p.error:9.2e} {p.noise:9.2e} "
-                             f"{p.error / max(p.noise, 1e-30):7.2f}  {'DIVERGES' if p.divergent else 'ok'}  ({note})")
+                             f"{_ratio(p.error, p.noise)}  {'DIVERGES' if p.divergent else 'ok'}  ({note})")
         lines.append("verdict: " + ("consistent" if self.consistent else
                                     "DIVERGES" + (f": first at layer {self.first_divergent_layer} "
                                                   f"({self.first_divergent_part})"
@@ -379,6 +379,11 @@ class Report:
                                     + (f"; {len(self.weights_mismatch)} weight(s) differ"
                                        if self.weights_mismatch else "")))
         return "\n".join(lines)
+
+
+def _ratio(error: float, noise: float) -> str:
+    """error / noise for the table; "-" where the two eager runs agree exactly (the floor judges then)."""
+    return f"{error / noise:7.2f}" if noise > 0 else f"{'-':>7}"
 
 
 def _layer_kind(ratio: int) -> str:
