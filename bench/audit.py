@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from dsv4.contract.random_weights import E2M1  # the E2M1 code values (torch-free)
+
 __all__ = ["NOISE_FACTOR", "CHOICE_FLOOR", "WeightMismatch", "compare_weights", "decode_values", "value_error",
            "choice_disagreement", "PartVerdict", "judge_part", "verdict", "run_audit", "add_arguments", "run",
            "DEFAULT_PROMPT", "Report"]
@@ -78,9 +80,6 @@ def _e8m0(b: np.ndarray) -> np.ndarray:
     return np.where(b == 0xFF, np.nan, v)
 
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def _expand(scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
     """A block scale [..., ceil(o/bo), ceil(i/bi)] repeated to the weight's [..., o, i]."""
     s = np.repeat(np.repeat(scale, block[0], axis=-2), block[1], axis=-1)
@@ -113,7 +112,7 @@ def _pair_values(w: np.ndarray, wdt: str, s: np.ndarray, sdt: str) -> tuple[np.n
         cv = _fp8_values(w, wdt)
         return cv, sv, cv * _expand(sv, cv.shape, (128, 128))
     nib = np.stack([w & 0xF, w >> 4], axis=-1).reshape(*w.shape[:-1], 2 * w.shape[-1])
-    cv = _E2M1[nib]
+    cv = E2M1[nib]
     return cv, sv, cv * np.repeat(sv, 32, axis=-1)
 
 
