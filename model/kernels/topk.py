@@ -37,16 +37,24 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, torch.bitwise_not(bits), bits + 2**31)
 
 
+RADIX_BITS = 4  # bits of the order key per radix_threshold round (divides 32)
+
+
 @kernel("radix_threshold", args={"key": "R, N", "k": int}, results={"t": "R, 1"}, dtypes={"key": (torch.int64,)},
         result_dtypes={"t": torch.int64}, mlir="topk.mlir.jinja")
 def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
     """Step 1 of topk_radix: per row of order keys [R, N] (int64 in [0, 2^32)), the largest t with
-    count(key >= t) >= k, bisected bit by bit (32 rounds of one compare + one float32 count). A hot
-    spot of its own: traced, the 32 rounds are ~220 graph nodes per top-k (topk.mlir.jinja: one)."""
+    count(key >= t) >= k, found a digit of RADIX_BITS bits at a time, highest first: the round with
+    digit weight w counts key >= t + j w for every digit j > 0 at once (float32 counts) and adds w
+    times the number of j whose count reaches k (the counts fall with j: that is the largest such j).
+    8 rounds of 4 bits give the t of 32 one-bit bisection rounds. Compiled (topk.mlir.jinja) for
+    gfx942 alone: 16 dispatches (a count and an update per round) where the one-bit rounds made 32;
+    compute per round is 15 compares per key (decode rows: trivial)."""
     t = torch.zeros_like(key[:, :1])
-    for b in range(31, -1, -1):
-        c = t + (1 << b)
-        t = torch.where((key >= c).float().sum(-1, keepdim=True) >= k, c, t)
+    j = torch.arange(1, 2**RADIX_BITS, device=key.device)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        n = (key[:, None, :] >= t[:, :, None] + (j << shift)[None, :, None]).float().sum(-1)  # [R, 2^B - 1]
+        t = t + ((n >= k).long().sum(-1, keepdim=True) << shift)
     return t
 
 
@@ -89,8 +97,8 @@ def prefix_count(m: torch.Tensor, chunk: int = PREFIX_CHUNK) -> torch.Tensor:
 def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     """Exact top-k by radix select (the contract above), as export traces it.
 
-    1. Bisect the k-th largest order key bit by bit (32 rounds of count(key >= t), each one
-       reduction): t = the largest key with at least k entries >= t.
+    1. Find the k-th largest order key a 4-bit digit at a time (8 rounds, each one reduction of
+       15 counts count(key >= t + j w)): t = the largest key with at least k entries >= t.
     2. Select key > t, plus the first (k - count(key > t)) entries with key == t (a prefix count).
     3. Compact the selected positions, in index order, into k slots with one flat index_put (the
        rest go to a trash slot per row, and the slot is clamped into the row, so a wrong count can
