@@ -44,6 +44,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -59,7 +60,7 @@ from dsv4.contract.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, 
                                    write_config)
 
 from . import compat as _compat
-from .compile import CompileError, Target, compile_mlir
+from .compile import CompileError, CompileResult, Target, compile_mlir
 from .lowering import LoweringPlan, plan_lowering
 from .sharding import layout, shard_tensors, sharded
 from .spec import ExportError, ExportSpec
@@ -428,6 +429,7 @@ class _Run:
     digests: dict[str, str] = field(default_factory=dict)  # weight file -> sha256, recorded in config.json
     stage: Path = Path()  # the temporary directory the files are built in
     source: dict[str, Any] | None = None  # where the weights came from (config.json's "source")
+    compile_jobs: int = 1  # iree-compile processes at once
 
     @property
     def cfg(self) -> Any:
@@ -457,7 +459,7 @@ class _Run:
 def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike", *,
                  weights: "WeightSource | str | None" = "model", tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, force: bool = False,
-                 source: Mapping[str, Any] | None = None) -> ExportResult:
+                 source: Mapping[str, Any] | None = None, compile_jobs: int | None = None) -> ExportResult:
     """Export `model` (a dsv4 Transformer, for `spec`) into `out_dir`; see the module docstring.
 
     `weights` says what goes into the .irpa: "model" (the model's own parameters), None (none:
@@ -467,13 +469,19 @@ def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike
     `empty_model` whose memory is never touched. `tokenizer`: a tokenizer.json (or its directory) to
     copy in. `force` replaces a non-empty `out_dir` that is not a dsv4 export. `source` says where the
     weights came from (config.json's ``source``: {"checkpoint": path} or {"preset", "seed"}; what
-    `dsv4 audit` compares the export with). Raises ExportError
+    `dsv4 audit` compares the export with). `compile_jobs`: how many iree-compile processes run at
+    once (one per target and pipeline stage; default: as many as there are, up to the CPU count; each
+    holds its module's compile in memory, so 1 where memory is short). Raises ExportError
     naming the failing stage (and op, when known); `out_dir` is then unchanged (a compile log is kept
     beside it as ``<out_dir>.<target>.log``). Returns the config.json dict and per-stage timings (s)."""
     _compat.apply()
     t_all = time.perf_counter()
     run = _prepare(model, spec, Path(out_dir), weights, progress or (lambda s: None))
     run.source = dict(source) if source else None
+    n_compiles = len(spec.targets) * (spec.devices if spec.pipeline else 1)
+    if compile_jobs is not None and compile_jobs < 1:
+        raise ExportError("validate", f"compile_jobs must be at least 1, got {compile_jobs}")
+    run.compile_jobs = compile_jobs or max(1, min(n_compiles, os.cpu_count() or 1))
     tok_src = _tokenizer_source(tokenizer)
     try:
         check_out_dir(run.out, force=force)
@@ -549,21 +557,37 @@ def _export_into(run: _Run, tok_src: Path | None) -> dict[str, Any]:
     target_info: dict[str, dict[str, Any]] = {}
     first: tuple[list[str], list[Any]] = ([], [])
     groups = _fp8_groups(run)
-    for gi, (flavour, gtargets) in enumerate(groups.items()):
-        suffix = "" if gi == 0 else f".{flavour}"
-        tag = "" if len(groups) == 1 else f"[{flavour}]"
-        _log_group(run, gtargets)
-        mlirs, whole, specs = _trace_group(run, parts, flavour, suffix, tag)
-        files = _weights_stage(run, f"model{suffix}", flavour, whole, specs, tag)
-        if gi == 0:
-            first = (files, specs)
-        for t in gtargets:
-            target_info[t.name] = _compile_target(run, t, mlirs)
-            if suffix:  # this group's own weight files: the inventory with its FP8 dtype
-                target_info[t.name].update(parameters=files, fp8_dtype=_fp8_name(flavour))
-        if not run.spec.keep_mlir:
-            for mlir_path, _ in mlirs:
-                mlir_path.unlink(missing_ok=True)
+    # Every (target, module) compile is its own iree-compile process doing mostly one core's work: they
+    # run side by side, up to run.compile_jobs at once, while the next FP8 group traces.
+    compiles: list[tuple[Target, str | None, list[str], list[Future]]] = []
+    mlirs_made: list[Path] = []
+    with ThreadPoolExecutor(max_workers=run.compile_jobs, thread_name_prefix="iree-compile") as pool:
+        try:
+            for gi, (flavour, gtargets) in enumerate(groups.items()):
+                suffix = "" if gi == 0 else f".{flavour}"
+                tag = "" if len(groups) == 1 else f"[{flavour}]"
+                _log_group(run, gtargets)
+                mlirs, whole, specs = _trace_group(run, parts, flavour, suffix, tag)
+                mlirs_made += [m for m, _ in mlirs]
+                files = _weights_stage(run, f"model{suffix}", flavour, whole, specs, tag)
+                if gi == 0:
+                    first = (files, specs)
+                for t in gtargets:
+                    jobs = [pool.submit(_compile_module, run, t, m, name) for m, name in mlirs]
+                    # a second group's targets read its own weight files, the inventory with its FP8 dtype
+                    compiles.append((t, flavour if suffix else None, files, jobs))
+        except BaseException:
+            for *_, jobs in compiles:
+                for j in jobs:
+                    j.cancel()
+            raise
+        for t, own_flavour, files, jobs in compiles:
+            target_info[t.name] = _target_info(run, t, [j.result() for j in jobs])
+            if own_flavour is not None:
+                target_info[t.name].update(parameters=files, fp8_dtype=_fp8_name(own_flavour))
+    if not run.spec.keep_mlir:
+        for mlir_path in mlirs_made:
+            mlir_path.unlink(missing_ok=True)
     config = _config(run, state_list, target_info, first, _copy_tokenizer(run.stage, tok_src))
     write_config(run.stage, config)
     return config
@@ -599,23 +623,26 @@ def _trace_group(run: _Run, parts: list[Any], flavour: str, suffix: str, tag: st
     return mlirs, whole, specs
 
 
-def _compile_target(run: _Run, t: Target, mlirs: list[tuple[Path, str]]) -> dict[str, Any]:
-    """Compile every module for target `t` with the plan's flags; returns its config.json entry."""
-    vmfbs, flags_used, seconds = [], (), 0.0
-    for mlir_path, name in mlirs:
-        vmfb = run.stage / f"model{name}.{t.name}.vmfb"
-        run.log(f"compiling {t.label}{name} ...")
-        try:
-            with _heartbeat(run.log, f"compiling {t.label}{name}"):
-                res = compile_mlir(mlir_path, t.with_devices(run.per_module), vmfb, list(run.plan.flags[t.name]),
-                                   log_path=run.out.parent / f"{run.out.name}.{t.name}.log")
-        except CompileError as e:
-            raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
-        run.timings[f"compile:{t.label}{name}"] = res.seconds
-        run.log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
-        vmfbs.append(vmfb.name)
-        flags_used, seconds = res.flags, seconds + res.seconds
-    info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
+def _compile_module(run: _Run, t: Target, mlir_path: Path, name: str) -> tuple[str, CompileResult]:
+    """Compile one module (the model, or a pipeline stage `name`) for target `t` with the plan's flags."""
+    vmfb = run.stage / f"model{name}.{t.name}.vmfb"
+    run.log(f"compiling {t.label}{name} ...")
+    try:
+        with _heartbeat(run.log, f"compiling {t.label}{name}"):
+            res = compile_mlir(mlir_path, t.with_devices(run.per_module), vmfb, list(run.plan.flags[t.name]),
+                               log_path=run.out.parent / f"{run.out.name}.{t.name}{name}.log")
+    except CompileError as e:
+        raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
+    run.timings[f"compile:{t.label}{name}"] = res.seconds
+    run.log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
+    return vmfb.name, res
+
+
+def _target_info(run: _Run, t: Target, compiled: list[tuple[str, CompileResult]]) -> dict[str, Any]:
+    """Target `t`'s config.json entry from its modules' compiles (one, or one per pipeline stage)."""
+    vmfbs = [name for name, _ in compiled]
+    info = {"vmfb": vmfbs[0], "flags": list(compiled[-1][1].flags),
+            "compile_s": round(sum(res.seconds for _, res in compiled), 2), "driver": t.driver,
             "kernels": dict(run.plan.kernels)}
     if run.spec.pipeline:
         info["stages"] = vmfbs
