@@ -123,7 +123,7 @@ SHARED_EXPORTS = ("embedded_bf16_export", "tiny_fp32_export", "tiny_q_export")
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _mark_slow(items)
-    if config.getoption("dist", "no") != "no":
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect (their config says dist "no")
         _group_for_workers(items)
 
 
