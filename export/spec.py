@@ -190,4 +190,4 @@ class ExportSpec:
                    devices=args.devices, pipeline=args.pipeline, keep_mlir=args.keep_mlir,
                    dtype=_CLI_DTYPES[args.dtype], max_seq_len=args.max_seq_len,
                    quant_sim=None if args.quant_sim is None else args.quant_sim == "on",
-                   expert_dtype=args.expert_dtype, layers=args.layers)
+                   expert_dtype=args.expert_dtype, layers=args.layers, draft_tokens=getattr(args, "draft_tokens", 0))
