@@ -254,8 +254,9 @@ def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, 
     ent, j, done, k, z = comp(x, b, old_k, old_z, cos, sin)
 
     def write(lengths: torch.Tensor) -> None:
-        _set(state[ring_k], (b.slots, g), ring_update(old_k, k, b.start, lengths))
-        _set(state[ring_z], (b.slots, g), ring_update(old_z, z, b.start, lengths))
+        new_k, new_z = ring_update(old_k, k, b.start, lengths), ring_update(old_z, z, b.start, lengths)
+        _set(state[ring_k], (b.slots, g), new_k)
+        _set(state[ring_z], (b.slots, g), new_z)
         if lengths is b.lengths:
             _write_entries(state[kv], b, group, ent, j, done)
             return
