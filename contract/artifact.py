@@ -624,7 +624,8 @@ class ExportConfig:
             k = spec.get("draft_tokens") if isinstance(spec, dict) else None
             _need(isinstance(spec, dict) and spec.get("method") == "mtp" and _pos_int(k), p,
                   f"speculative: must be {{\"method\": \"mtp\", \"draft_tokens\": K >= 1, ...}}, got {spec!r}")
-            for key, name in (("prefill_batch_sizes", mtp_prefill_name), ("verify_batch_sizes", lambda n: verify_name(n, k))):
+            names = {"prefill_batch_sizes": mtp_prefill_name, "verify_batch_sizes": lambda n: verify_name(n, k)}
+            for key, name in names.items():
                 bs = spec.get(key)
                 _need(isinstance(bs, list) and bs and all(_pos_int(b) and b <= raw["n_slots"] for b in bs), p,
                       f"speculative.{key}: must be a non-empty list of batch sizes <= n_slots, got {bs!r}")

@@ -58,7 +58,8 @@ def speculative_greedy(model: Transformer, prompts: list[list[int]], max_new_tok
         if not p:
             raise ValueError("prompt is empty")
         if len(p) + max_new_tokens > cfg.max_seq_len:
-            raise ValueError(f"prompt ({len(p)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len {cfg.max_seq_len}")
+            raise ValueError(f"prompt ({len(p)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+                             f"{cfg.max_seq_len}")
     state = new_state(cfg, len(prompts), model.dtype)
     outs: list[list[int]] = []
     drafts, pos = [], []

@@ -95,7 +95,8 @@ def test_speculative_entry_points_round_trip_and_are_checked(tmp_path: Path) -> 
                                                                             if k != "verify_bs2_k2"}), tmp_path)
     with pytest.raises(ArtifactError, match="speculative: must be"):
         ExportConfig.from_dict(_contract(speculative={**spec, "draft_tokens": 0}, extra_functions=fns), tmp_path)
-    bad = {**fns, "mtp_prefill_bs1": {**fns["mtp_prefill_bs1"], "args": ["tokens", "start_pos", "lengths", "slots", "kv"]}}
+    bad = {**fns, "mtp_prefill_bs1": {**fns["mtp_prefill_bs1"],
+                                      "args": ["tokens", "start_pos", "lengths", "slots", "kv"]}}
     with pytest.raises(ArtifactError, match=r"functions.mtp_prefill_bs1: args must be"):
         ExportConfig.from_dict(_contract(speculative=spec, extra_functions=bad), tmp_path)
 
