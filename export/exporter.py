@@ -13,6 +13,11 @@ option, validated once), one module with these entry points (all integers int64)
 * ``sample_bs{N}(logits f32[N,V], temperature f32[N], top_k i64[N], top_p f32[N], key i64[N]) -> ids i64[N]``
   for every prefill and decode N of a one-device export: the token choice on the device
   (model/device_sampling.py), called on the logits the step left there (-1: non-finite logits);
+* with ``spec.draft_tokens = K`` (MTP speculative decoding, model/speculative.py):
+  ``mtp_prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], next_tokens[N], *state) ->
+  (logits f32[N,V], argmax i64[N], drafts i64[N,K])`` for every prefill N and
+  ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths, slots, *state) -> (logits f32[N,1+K,V],
+  chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])`` for every decode N;
 * ``export_id() -> i64[32]``: the bytes of config.json's ``export_id`` (a uuid hex string), so a
   runtime can tell that a vmfb belongs to another export.
 
@@ -56,8 +61,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.contract.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
-                                   write_config)
+                                   SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, speculative_functions,
+                                   staged_export, stage_state_name, write_config)
 
 from . import compat as _compat
 from .compile import CompileError, CompileResult, Target, compile_mlir
@@ -141,6 +146,19 @@ class _Entry(nn.Module):
         with record_taps(self.model) as taps:
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
         return (logits, *taps.values())
+
+    def mtp_prefill(self, tokens, start_pos, lengths, slots, next_tokens, state):
+        """prefill + the MTP block over the chunk + n_draft drafts (model/speculative.py)."""
+        from dsv4.model.speculative import mtp_prefill
+
+        return mtp_prefill(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)), next_tokens,
+                           self.n_draft)
+
+    def verify(self, tokens, start_pos, lengths, slots, state):
+        """score 1 + K tokens per row, keep the accepted ones, draft again (model/speculative.py)."""
+        from dsv4.model.speculative import verify
+
+        return verify(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
 
     def score(self, tokens, start_pos, lengths, slots, state, h=None):
         logits = self._run(tokens, start_pos, lengths, slots, state, h, all_logits=True)
@@ -271,6 +289,15 @@ def _program(fn: Callable, streams: bool = False) -> Callable:
     return traced_h if streams else traced
 
 
+def _program_next(fn: Callable) -> Callable:
+    """`_program` for mtp_prefill's signature (next_tokens after slots)."""
+
+    def traced(m, tokens, start_pos, lengths, slots, next_tokens, state):
+        return fn(m, tokens, start_pos, lengths, slots, next_tokens, state)
+
+    return traced
+
+
 def _sample_program(m, logits, temperature, top_k, top_p, key):
     from dsv4.model.device_sampling import sample
 
@@ -327,6 +354,15 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         *[(f"decode_bs{n}", _Entry.step, example(n, 1), None) for n in spec.decode_batch_sizes],
         *[(f"score_bs{n}", _Entry.score, example(n, ex_T), dyn) for n in run.score_bs],
         *([("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn)] if spec.probe_topk else [])]
+    if spec.draft_tokens and not probe:
+        from dsv4.contract.artifact import mtp_prefill_name, verify_name
+
+        entry.n_draft = spec.draft_tokens
+        dyn_next = {**dyn, "next_tokens": None}
+        programs += [(mtp_prefill_name(n), _Entry.mtp_prefill, (*example(n, ex_T)[:4], torch.full((n,), -1, dtype=i64),
+                                                               state), dyn_next) for n in spec.batch_sizes]
+        programs += [(verify_name(n, spec.draft_tokens), _Entry.verify, example(n, 1 + spec.draft_tokens), None)
+                     for n in spec.decode_batch_sizes]
     if probe:  # probe_module: the two probe entry points only
         programs = [(PROBE_PREFILL, _Entry.probe, example(1, ex_T), dyn),
                     (PROBE_DECODE, _Entry.probe, example(1, 1), None)]
@@ -345,7 +381,8 @@ def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple,
             t0 = time.perf_counter()
             try:
                 with _heartbeat(log, f"tracing {name}"):
-                    _trace(fxb, name, _program(fn, streams), args, dshapes)
+                    prog = _program_next(fn) if fn is _Entry.mtp_prefill else _program(fn, streams)
+                    _trace(fxb, name, prog, args, dshapes)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
@@ -671,6 +708,11 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
     if spec.probe_topk:
         extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]),
                                    "results": ["logits", "topk...", "topk_scores..."]}
+    speculative = None
+    if spec.draft_tokens:
+        speculative, fns = speculative_functions(spec.draft_tokens, spec.batch_sizes, spec.decode_batch_sizes,
+                                                 [e["name"] for e in state_list])
+        extra.update(fns)
     devices = (pipeline_layout(cfg, spec.devices) if spec.pipeline else
                layout(cfg, spec.devices) if spec.devices > 1 else None)
     config = build_config(
@@ -681,7 +723,7 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
         bos_token_id=cfg.bos_token_id, eos_token_ids=list(cfg.eos_ids), export_id=run.export_id,
         extra_functions=extra, weights={"tensors": [t.to_json() for t in first[1]], "shard_bytes": SHARD_BYTES},
         devices=devices, sha256=run.digests,
-        lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)})
+        lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)}, speculative=speculative)
     if run.source:
         config["source"] = run.source
     return config
