@@ -76,8 +76,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 def rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE on the trailing rd dims only (DeepSeek-V4 puts the rotary part last)."""
-    return torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos, sin, inverse)], -1)
+    """RoPE on the trailing rd dims only (DeepSeek-V4 puts the rotary part last).
+
+    The values of cat([x[..., :-rd], apply_rope(x[..., -rd:], ...)], -1), bit for bit (the same fp32
+    products and sums per element), written as one elementwise expression over all D features: each
+    feature reads its pair partner and its pair's cos/sin by an index along the last dim. The cat of
+    slices and the stack of the two halves each made IREE materialize copies: ~8 dispatches per
+    call (5 calls per CSA layer) where this is one."""
+    D = x.shape[-1]
+    if x.dim() == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    if inverse:
+        sin = -sin
+    nope = D - rd
+    d = torch.arange(D, device=x.device)
+    rope = d >= nope
+    half = torch.where(rope, d - nope, 0) // 2  # the rope pair of feature d (0 for the nope features)
+    odd = torch.remainder(d - nope, 2)  # 0: x0 of its pair, 1: x1 (no xor: torch-mlir does not lower it)
+    partner = torch.where(rope, d + 1 - 2 * odd, d)
+    first = odd == 0
+    xf = x.float()
+    xp = xf.index_select(-1, partner)
+    c, s = cos.index_select(-1, half), sin.index_select(-1, half)
+    # x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos: apply_rope's operations in its operand order
+    rot = torch.where(first, xf * c - xp * s, xp * s + xf * c)
+    return torch.where(rope, rot, xf).to(x.dtype)
+
+
+def fp8_nope(x: torch.Tensor, rd: int, block: int = 64) -> torch.Tensor:
+    """FP8 quantize->dequantize of the nope features, the trailing rd (rope) features untouched:
+    cat([fp8_qdq(x[..., :-rd]), x[..., -rd:]], -1). When both parts are whole blocks, the blocks are
+    independent, so it is the qdq of all of x with the rope features selected back from x: the same
+    values, without the cat (IREE materialized it as copies)."""
+    D = x.shape[-1]
+    if (D - rd) % block or rd % block:
+        return torch.cat([quant_sim.fp8_qdq(x[..., :-rd], block), x[..., -rd:]], -1)
+    return torch.where(torch.arange(D, device=x.device) < D - rd, quant_sim.fp8_qdq(x, block), x)
 
 
 @dataclass
@@ -229,7 +263,7 @@ class Compressor(nn.Module):
             if self.rotate:  # indexer keys: Hadamard then FP4 over all dims
                 ent = quant_sim.fp4_qdq(quant_sim.hadamard(ent), 32)
             else:  # attention KV: FP8 on the nope dims, rope dims untouched
-                ent = torch.cat([quant_sim.fp8_qdq(ent[..., :-self.rd], 64), ent[..., -self.rd:]], -1)
+                ent = fp8_nope(ent, self.rd)
         elif self.rotate:
             ent = quant_sim.hadamard(ent)
         return ent, j, done, k, z
@@ -375,7 +409,7 @@ class Attention(nn.Module):
 
         kv = rope_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
         if self.quant_sim:
-            kv = torch.cat([quant_sim.fp8_qdq(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+            kv = fp8_nope(kv, rd)
 
         # sliding window: the W positions p-W+1..p, read from the ring (before this call) or the chunk
         ring = _get(state["win_kv"], b.slots, st.window)
@@ -420,6 +454,17 @@ def _hc_mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     return f32_linear(x, fn) * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps)
 
 
+def _collapse(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """sum_i w[..., i] h[:, :, i] over the n streams h [B,T,n,d], fp32, added in stream order: the
+    values of (w[..., None] * h.float()).sum(2) (torch's CPU sum over that dim adds in index order),
+    as one elementwise expression. IREE compiled the multiply-sum as a matvec over a materialized f32
+    copy of h: two dispatches per collapse where this is one."""
+    y = w[..., 0, None] * h[:, :, 0].float()
+    for i in range(1, h.shape[2]):
+        y = y + w[..., i, None] * h[:, :, i].float()
+    return y
+
+
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
            norm_eps: float):
     """Collapse the n streams for a sub-layer; returns (input [B,T,d], post [B,T,n], comb [B,T,n,n])."""
@@ -429,8 +474,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
     comb = hc_sinkhorn(comb.softmax(-1) + eps, iters, eps)
-    y = (pre[..., None] * h.float()).sum(2)
-    return y.to(h.dtype), post, comb
+    return _collapse(pre, h).to(h.dtype), post, comb
 
 
 def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -444,7 +488,7 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     """Final sigmoid-weighted collapse of the streams (no Sinkhorn, no post)."""
     mix = _hc_mix(h, fn, norm_eps)
     pre = torch.sigmoid(mix * scale + base) + eps
-    return (pre[..., None] * h.float()).sum(2).to(h.dtype)
+    return _collapse(pre, h).to(h.dtype)
 
 
 def rope_of(m: nn.Module) -> dict:

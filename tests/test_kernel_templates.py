@@ -160,6 +160,8 @@ def test_quant_template_qdq_and_hadamard(kernel_compile, tmp_path) -> None:
     np.testing.assert_array_equal(out["fp4"][0], block_qdq(xn, 32, fp4=True), err_msg="fp4_qdq")
     h = sylvester(128)
     assert_sum_close(out["had"][0], xn @ h, np.abs(xn) @ np.abs(h), "hadamard")
+    # the kernel adds in the butterflies' order: the eager reference's values bit for bit
+    np.testing.assert_array_equal(out["had"][0], hadamard(x).numpy(), err_msg="hadamard vs eager")
 
 
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16"])

@@ -9,7 +9,7 @@ from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.model import (Batch, Compressor, apply_rope, hc_head, hc_post, hc_pre, init_random, pad_selection,
+from dsv4.model.model import (Batch, Compressor, _collapse, apply_rope, fp8_nope, rope_tail, hc_head, hc_post, hc_pre, init_random, pad_selection,
                               rope_table)
 from dsv4.model.moe import Gate, MoE
 
@@ -153,6 +153,48 @@ def test_rope_interleaved_inverse_and_relative():
     r2 = apply_rope(apply_rope(k, cos[torch.tensor([[23]])], sin[torch.tensor([[23]])]), cos[torch.tensor([[30]])], sin[torch.tensor([[30]])], inverse=True)
     torch.testing.assert_close(r1, r2, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tail_is_cat_of_nope_and_roped_tail(dtype):
+    """rope_tail (one elementwise expression, the form the export fuses into one dispatch) equals the
+    definition cat([nope, apply_rope(tail)]) bit for bit: 3-D and per-head 4-D, forward and inverse,
+    an odd number of nope features (pairs start on an odd index) and rd = D."""
+    g = torch.Generator().manual_seed(3)
+    cos, sin = rope_table(8, 64, 10000.0, None)
+    for shape, rd in (((2, 3, 24), 8), ((2, 3, 4, 24), 8), ((1, 2, 13), 8), ((1, 2, 2, 8), 8)):
+        x = (torch.randn(shape, generator=g) * 4).to(dtype)
+        pos = torch.randint(0, 64, shape[:2], generator=g)
+        for inverse in (False, True):
+            want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[pos], sin[pos], inverse)], -1)
+            got = rope_tail(x, rd, cos[pos], sin[pos], inverse)
+            assert got.dtype == dtype and torch.equal(got, want), (shape, inverse)
+            assert torch.equal(got[..., :-rd], x[..., :-rd])  # the nope features pass through
+
+
+def test_fp8_nope_is_cat_of_qdq_nope_and_tail():
+    """fp8_nope (the qdq of the whole row, rope features selected back) equals the definition
+    cat([fp8_qdq(nope), tail]) bit for bit, with block-aligned parts; a tail that is not whole blocks
+    takes the cat."""
+    from dsv4.model.quant import sim as quant_sim
+
+    g = torch.Generator().manual_seed(4)
+    for shape, rd in (((2, 3, 192), 64), ((1, 2, 4, 128), 64), ((1, 3, 96), 32)):
+        x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).bfloat16()
+        want = torch.cat([quant_sim.fp8_qdq(x[..., :-rd], 64), x[..., -rd:]], -1)
+        got = fp8_nope(x, rd)
+        assert got.dtype == x.dtype and torch.equal(got, want), shape
+        assert not torch.equal(got[..., :-rd], x[..., :-rd])  # the qdq did round the nope features
+
+
+def test_stream_collapse_is_the_weighted_sum():
+    """_collapse (hc_pre / hc_head's weighted sum of the streams, one elementwise expression for the
+    export) gives the values of (w[..., None] * h.float()).sum(2) bit for bit, at decode and prefill shapes."""
+    g = torch.Generator().manual_seed(5)
+    for B, T, n, d in ((1, 1, 4, 4096), (8, 1, 4, 256), (2, 37, 4, 64), (1, 3, 2, 5)):
+        h = (torch.randn(B, T, n, d, generator=g) * 7).bfloat16()
+        w = torch.sigmoid(torch.randn(B, T, n, generator=g)) + 1e-6
+        assert torch.equal(_collapse(w, h), (w[..., None] * h.float()).sum(2)), (B, T, n, d)
 
 # ---------------------------------------------------------------------------------------- attention
 
