@@ -109,8 +109,15 @@ def add_parser(subparsers: Any, name: str = "export") -> argparse.ArgumentParser
                         "llvm-cpu is batch-invariant without it, so an llvm-cpu-only export ignores it and "
                         "one that mixes llvm-cpu with a GPU target is refused)")
     p.add_argument("--kernel", action="append", default=[], type=_kernel, metavar="OP=IMPL", help=_KernelHelp("OP=IMPL"))
+    p.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                   help="MTP speculative decoding: add mtp_prefill_bs{N} and verify_bs{N}_k{K} (the MTP block drafts "
+                        "K tokens, the model verifies 1 + K per row in one call; docs/runtime.md). Default 0: none")
     p.add_argument("--no-score", action="store_true",
                    help="skip the score_bs1 entry point (`dsv4 score` then cannot use the export)")
+    p.add_argument("--compile-jobs", type=int, default=None, metavar="N",
+                   help="iree-compile processes at once, one per target (and pipeline stage); default: as many "
+                        "as there are, up to the CPU count. Each holds a whole module's compile in memory: "
+                        "1 where memory is short")
     p.add_argument("--keep-mlir", action="store_true", help="keep model.mlir in the output directory (dsv4 inspect needs it)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT even when it is a non-empty directory that is not a dsv4 export")

@@ -13,6 +13,12 @@ updated in place): ``prefill_bs{N}``/``decode_bs{N}`` -> (logits f32[N,V], argma
 logits are not all finite);
 ``score_bs1`` -> logprobs f32[1,T]; ``sample_bs{N}(logits, temperature, top_k, top_p, key)`` -> ids
 i64[N] (one-device exports: the token choice on the device); ``export_id()`` -> the bytes of config.json's ``export_id``.
+With MTP speculative decoding (``dsv4 export --draft-tokens K``; config.json ``speculative``:
+{"method": "mtp", "draft_tokens": K, "prefill_batch_sizes", "verify_batch_sizes"}):
+``mtp_prefill_bs{N}(tokens[N,T], start_pos, lengths, slots, next_tokens[N], *state)`` -> (logits
+f32[N,V], argmax i64[N], drafts i64[N,K]) and ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths,
+slots, *state)`` -> (logits f32[N,1+K,V], chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])
+(model/speculative.py; docs/runtime.md, Speculative decoding).
 
 Weights (fields of config.json; `contract/weights.py` reads and writes the files)::
 
@@ -72,7 +78,8 @@ from .errors import ArtifactError, EngineError
 
 __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
-    "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
+    "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "MTP_PREFILL_ARGS", "mtp_prefill_name", "verify_name",
+    "speculative_functions", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_vmfb",
     "shard_names", "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
     "stage_state_name", "state_stage",
@@ -108,8 +115,20 @@ _DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "fp32"
                   "float": "float32", "half": "float16", "fp8": "float8_e4m3fn"}
 
 STEP_ARGS = ("tokens", "start_pos", "lengths", "slots")
+MTP_PREFILL_ARGS = (*STEP_ARGS, "next_tokens")  # next_tokens: the token after the chunk, -1 if it ends the prompt
 SAMPLE_ARGS = ("logits", "temperature", "top_k", "top_p", "key")  # sample_bs{N}: model/device_sampling.py
-ENTRY_RESULTS = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"]}
+ENTRY_RESULTS = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"],
+                 "mtp_prefill": ["logits", "argmax", "drafts"], "verify": ["logits", "chosen", "accepted", "drafts"]}
+
+
+def mtp_prefill_name(n: int) -> str:
+    """The speculative prefill entry point of batch size n."""
+    return f"mtp_prefill_bs{n}"
+
+
+def verify_name(n: int, k: int) -> str:
+    """The speculative verify entry point of batch size n with k draft tokens."""
+    return f"verify_bs{n}_k{k}"
 
 
 def _dtype_name(s: str) -> str:
@@ -130,8 +149,18 @@ def target_for_device(device: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 def function_abi(kind: str, state_names: Sequence[str]) -> dict[str, list[str]]:
-    """config.json's description of one entry point of `kind` (prefill, decode, score)."""
-    return {"args": [*STEP_ARGS, *state_names], "results": list(ENTRY_RESULTS[kind])}
+    """config.json's description of one entry point of `kind` (prefill, decode, score, mtp_prefill, verify)."""
+    args = MTP_PREFILL_ARGS if kind == "mtp_prefill" else STEP_ARGS
+    return {"args": [*args, *state_names], "results": list(ENTRY_RESULTS[kind])}
+
+
+def speculative_functions(draft_tokens: int, prefill_batch_sizes: Sequence[int], verify_batch_sizes: Sequence[int],
+                          state_names: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json's ``speculative`` field, its entry points) of an export with MTP speculative decoding."""
+    fns = {mtp_prefill_name(n): function_abi("mtp_prefill", state_names) for n in prefill_batch_sizes}
+    fns.update({verify_name(n, draft_tokens): function_abi("verify", state_names) for n in verify_batch_sizes})
+    return ({"method": "mtp", "draft_tokens": int(draft_tokens), "prefill_batch_sizes": list(prefill_batch_sizes),
+             "verify_batch_sizes": list(verify_batch_sizes)}, fns)
 
 
 def new_export_id() -> str:
@@ -148,13 +177,15 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
                  weights: Mapping[str, Any] | None = None,
                  devices: Mapping[str, Any] | None = None,
                  sha256: Mapping[str, str] | None = None,
-                 lowering: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 lowering: Mapping[str, Any] | None = None,
+                 speculative: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of an export; `state` is [{"name", "shape", "dtype"}] in argument order,
     `parameters` the weight file names, `weights` {"tensors": [[name, shape, dtype], ...],
     "shard_bytes": N} (see the module docstring; a target's own files go in its `targets` entry),
     `devices` the layout of a multi-device export ({"count": N, ...}; None: one device, no field),
     `sha256` each weight file's digest, `lowering` the lowering plan's inputs (the plan: each target's
-    "kernels" and "flags"; the runtime ignores both)."""
+    "kernels" and "flags"; the runtime ignores both), `speculative` the MTP speculative entry points'
+    description (`speculative_functions`; their functions go in `extra_functions`)."""
     names = [s["name"] for s in state]
     functions: dict[str, Any] = {}
     for kind, sizes in (("prefill", prefill_batch_sizes), ("decode", decode_batch_sizes),
@@ -185,6 +216,7 @@ def build_config(*, model: Mapping[str, Any], activation_dtype: str, n_slots: in
         **({"devices": dict(devices)} if devices is not None else {}),
         **({"sha256": dict(sorted(sha256.items()))} if sha256 else {}),
         **({"lowering": dict(lowering)} if lowering is not None else {}),
+        **({"speculative": dict(speculative)} if speculative is not None else {}),
     }
 
 
@@ -449,6 +481,9 @@ class ExportConfig:
     # each stage, stage k a module of its own on device k; () for a one-module export
     pipeline: tuple[tuple[int, int], ...] = ()
     sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)  # weight file name -> hex digest
+    # config.json "speculative" ({"method": "mtp", "draft_tokens", "prefill_batch_sizes",
+    # "verify_batch_sizes"}): the MTP speculative entry points; None when the export has none
+    speculative: Mapping[str, Any] | None = None
 
     @classmethod
     def load(cls, export_dir: str | Path, *, weights: bool = True) -> "ExportConfig":
@@ -532,6 +567,9 @@ class ExportConfig:
             args = f.get("args")
             if name.startswith("sample_bs"):
                 _need(args == list(SAMPLE_ARGS), p, f"functions.{name}: args must be {list(SAMPLE_ARGS)}")
+            elif name.startswith("mtp_prefill_bs"):
+                _need(args == [*MTP_PREFILL_ARGS, *(s.name for s in specs)], p,
+                      f"functions.{name}: args must be {list(MTP_PREFILL_ARGS)} + the state tensors")
             elif args is not None:
                 _need(len(args) == len(STEP_ARGS) + len(specs), p,
                       f"functions.{name}: {len(args)} args, expected {len(STEP_ARGS)} + {len(specs)} state tensors")
@@ -581,6 +619,18 @@ class ExportConfig:
                   "state: a pipeline export names each state tensor stage<k>.<name>, every stage at least one")
         else:
             _need(dev.get("split") in (None, "module"), p, f"devices.split: unknown split {dev.get('split')!r}")
+        spec = raw.get("speculative")
+        if spec is not None:
+            k = spec.get("draft_tokens") if isinstance(spec, dict) else None
+            _need(isinstance(spec, dict) and spec.get("method") == "mtp" and _pos_int(k), p,
+                  f"speculative: must be {{\"method\": \"mtp\", \"draft_tokens\": K >= 1, ...}}, got {spec!r}")
+            names = {"prefill_batch_sizes": mtp_prefill_name, "verify_batch_sizes": lambda n: verify_name(n, k)}
+            for key, name in names.items():
+                bs = spec.get(key)
+                _need(isinstance(bs, list) and bs and all(_pos_int(b) and b <= raw["n_slots"] for b in bs), p,
+                      f"speculative.{key}: must be a non-empty list of batch sizes <= n_slots, got {bs!r}")
+                absent = [name(b) for b in bs if name(b) not in fns]
+                _need(not absent, p, f"speculative: functions missing: {', '.join(absent)}")
         sums = raw.get("sha256", {})
         _need(isinstance(sums, dict) and all(re.fullmatch(r"[0-9a-f]{64}", str(v)) for v in sums.values()), p,
               "sha256: must be an object of file name -> 64 hex digits")
@@ -593,7 +643,7 @@ class ExportConfig:
             tokenizer=d / str(tok) if tok else None,
             bos_token_id=bos, eos_token_ids=tuple(eos), export_id=None if eid is None else str(eid),
             n_devices=int(dev["count"]), pipeline=tuple((int(a), int(b)) for a, b in stages),
-            sha256=dict(sums),
+            sha256=dict(sums), speculative=None if spec is None else dict(spec),
         )
 
     def parameters_for(self, target: str) -> tuple[Path, ...]:

@@ -107,7 +107,8 @@ def cmd_export(args: argparse.Namespace, spec: "ExportSpec") -> int:
             f"{args.dtype}")
         stage = "export"
         res = export_model(model, spec, args.out, weights=weights, tokenizer=tokenizer, progress=log,
-                           force=args.force, source=None if args.no_weights else source)
+                           force=args.force, source=None if args.no_weights else source,
+                           compile_jobs=args.compile_jobs)
     except ExportError as e:  # already names the stage and the op
         print(f"dsv4 export: error: {e}", file=sys.stderr)
         return 1 if e.stage.startswith(("trace", "import", "compile")) else 2

@@ -13,6 +13,11 @@ option, validated once), one module with these entry points (all integers int64)
 * ``sample_bs{N}(logits f32[N,V], temperature f32[N], top_k i64[N], top_p f32[N], key i64[N]) -> ids i64[N]``
   for every prefill and decode N of a one-device export: the token choice on the device
   (model/device_sampling.py), called on the logits the step left there (-1: non-finite logits);
+* with ``spec.draft_tokens = K`` (MTP speculative decoding, model/speculative.py):
+  ``mtp_prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], next_tokens[N], *state) ->
+  (logits f32[N,V], argmax i64[N], drafts i64[N,K])`` for every prefill N and
+  ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths, slots, *state) -> (logits f32[N,1+K,V],
+  chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])`` for every decode N;
 * ``export_id() -> i64[32]``: the bytes of config.json's ``export_id`` (a uuid hex string), so a
   runtime can tell that a vmfb belongs to another export.
 
@@ -44,6 +49,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,11 +61,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 from dsv4.contract.artifact import (FORMAT, PARAM_PREFIX, PARAM_SCOPE, VERSION, build_config, check_out_dir,
-                                   SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, staged_export, stage_state_name,
-                                   write_config)
+                                   SAMPLE_ARGS, function_abi, new_export_id, shard_inventory, speculative_functions,
+                                   staged_export, stage_state_name, write_config)
 
 from . import compat as _compat
-from .compile import CompileError, Target, compile_mlir
+from .compile import CompileError, CompileResult, Target, compile_mlir
 from .lowering import LoweringPlan, plan_lowering
 from .sharding import layout, shard_tensors, sharded
 from .spec import ExportError, ExportSpec
@@ -140,6 +146,19 @@ class _Entry(nn.Module):
         with record_taps(self.model) as taps:
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
         return (logits, *taps.values())
+
+    def mtp_prefill(self, tokens, start_pos, lengths, slots, next_tokens, state):
+        """prefill + the MTP block over the chunk + n_draft drafts (model/speculative.py)."""
+        from dsv4.model.speculative import mtp_prefill
+
+        return mtp_prefill(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)), next_tokens,
+                           self.n_draft)
+
+    def verify(self, tokens, start_pos, lengths, slots, state):
+        """score 1 + K tokens per row, keep the accepted ones, draft again (model/speculative.py)."""
+        from dsv4.model.speculative import verify
+
+        return verify(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
 
     def score(self, tokens, start_pos, lengths, slots, state, h=None):
         logits = self._run(tokens, start_pos, lengths, slots, state, h, all_logits=True)
@@ -270,6 +289,15 @@ def _program(fn: Callable, streams: bool = False) -> Callable:
     return traced_h if streams else traced
 
 
+def _program_next(fn: Callable) -> Callable:
+    """`_program` for mtp_prefill's signature (next_tokens after slots)."""
+
+    def traced(m, tokens, start_pos, lengths, slots, next_tokens, state):
+        return fn(m, tokens, start_pos, lengths, slots, next_tokens, state)
+
+    return traced
+
+
 def _sample_program(m, logits, temperature, top_k, top_p, key):
     from dsv4.model.device_sampling import sample
 
@@ -326,6 +354,15 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         *[(f"decode_bs{n}", _Entry.step, example(n, 1), None) for n in spec.decode_batch_sizes],
         *[(f"score_bs{n}", _Entry.score, example(n, ex_T), dyn) for n in run.score_bs],
         *([("topk_probe_bs1", _Entry.topk_probe, example(1, ex_T), dyn)] if spec.probe_topk else [])]
+    if spec.draft_tokens and not probe:
+        from dsv4.contract.artifact import mtp_prefill_name, verify_name
+
+        entry.n_draft = spec.draft_tokens
+        dyn_next = {**dyn, "next_tokens": None}
+        programs += [(mtp_prefill_name(n), _Entry.mtp_prefill, (*example(n, ex_T)[:4], torch.full((n,), -1, dtype=i64),
+                                                               state), dyn_next) for n in spec.batch_sizes]
+        programs += [(verify_name(n, spec.draft_tokens), _Entry.verify, example(n, 1 + spec.draft_tokens), None)
+                     for n in spec.decode_batch_sizes]
     if probe:  # probe_module: the two probe entry points only
         programs = [(PROBE_PREFILL, _Entry.probe, example(1, ex_T), dyn),
                     (PROBE_DECODE, _Entry.probe, example(1, 1), None)]
@@ -344,7 +381,8 @@ def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple,
             t0 = time.perf_counter()
             try:
                 with _heartbeat(log, f"tracing {name}"):
-                    _trace(fxb, name, _program(fn, streams), args, dshapes)
+                    prog = _program_next(fn) if fn is _Entry.mtp_prefill else _program(fn, streams)
+                    _trace(fxb, name, prog, args, dshapes)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e
             timings[f"trace:{name}{tag}"] = time.perf_counter() - t0
@@ -428,6 +466,7 @@ class _Run:
     digests: dict[str, str] = field(default_factory=dict)  # weight file -> sha256, recorded in config.json
     stage: Path = Path()  # the temporary directory the files are built in
     source: dict[str, Any] | None = None  # where the weights came from (config.json's "source")
+    compile_jobs: int = 1  # iree-compile processes at once
 
     @property
     def cfg(self) -> Any:
@@ -457,7 +496,7 @@ class _Run:
 def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike", *,
                  weights: "WeightSource | str | None" = "model", tokenizer: "str | os.PathLike | None" = None,
                  progress: Callable[[str], None] | None = None, force: bool = False,
-                 source: Mapping[str, Any] | None = None) -> ExportResult:
+                 source: Mapping[str, Any] | None = None, compile_jobs: int | None = None) -> ExportResult:
     """Export `model` (a dsv4 Transformer, for `spec`) into `out_dir`; see the module docstring.
 
     `weights` says what goes into the .irpa: "model" (the model's own parameters), None (none:
@@ -467,13 +506,19 @@ def export_model(model: nn.Module, spec: ExportSpec, out_dir: "str | os.PathLike
     `empty_model` whose memory is never touched. `tokenizer`: a tokenizer.json (or its directory) to
     copy in. `force` replaces a non-empty `out_dir` that is not a dsv4 export. `source` says where the
     weights came from (config.json's ``source``: {"checkpoint": path} or {"preset", "seed"}; what
-    `dsv4 audit` compares the export with). Raises ExportError
+    `dsv4 audit` compares the export with). `compile_jobs`: how many iree-compile processes run at
+    once (one per target and pipeline stage; default: as many as there are, up to the CPU count; each
+    holds its module's compile in memory, so 1 where memory is short). Raises ExportError
     naming the failing stage (and op, when known); `out_dir` is then unchanged (a compile log is kept
     beside it as ``<out_dir>.<target>.log``). Returns the config.json dict and per-stage timings (s)."""
     _compat.apply()
     t_all = time.perf_counter()
     run = _prepare(model, spec, Path(out_dir), weights, progress or (lambda s: None))
     run.source = dict(source) if source else None
+    n_compiles = len(spec.targets) * (spec.devices if spec.pipeline else 1)
+    if compile_jobs is not None and compile_jobs < 1:
+        raise ExportError("validate", f"compile_jobs must be at least 1, got {compile_jobs}")
+    run.compile_jobs = compile_jobs or max(1, min(n_compiles, os.cpu_count() or 1))
     tok_src = _tokenizer_source(tokenizer)
     try:
         check_out_dir(run.out, force=force)
@@ -549,21 +594,37 @@ def _export_into(run: _Run, tok_src: Path | None) -> dict[str, Any]:
     target_info: dict[str, dict[str, Any]] = {}
     first: tuple[list[str], list[Any]] = ([], [])
     groups = _fp8_groups(run)
-    for gi, (flavour, gtargets) in enumerate(groups.items()):
-        suffix = "" if gi == 0 else f".{flavour}"
-        tag = "" if len(groups) == 1 else f"[{flavour}]"
-        _log_group(run, gtargets)
-        mlirs, whole, specs = _trace_group(run, parts, flavour, suffix, tag)
-        files = _weights_stage(run, f"model{suffix}", flavour, whole, specs, tag)
-        if gi == 0:
-            first = (files, specs)
-        for t in gtargets:
-            target_info[t.name] = _compile_target(run, t, mlirs)
-            if suffix:  # this group's own weight files: the inventory with its FP8 dtype
-                target_info[t.name].update(parameters=files, fp8_dtype=_fp8_name(flavour))
-        if not run.spec.keep_mlir:
-            for mlir_path, _ in mlirs:
-                mlir_path.unlink(missing_ok=True)
+    # Every (target, module) compile is its own iree-compile process doing mostly one core's work: they
+    # run side by side, up to run.compile_jobs at once, while the next FP8 group traces.
+    compiles: list[tuple[Target, str | None, list[str], list[Future]]] = []
+    mlirs_made: list[Path] = []
+    with ThreadPoolExecutor(max_workers=run.compile_jobs, thread_name_prefix="iree-compile") as pool:
+        try:
+            for gi, (flavour, gtargets) in enumerate(groups.items()):
+                suffix = "" if gi == 0 else f".{flavour}"
+                tag = "" if len(groups) == 1 else f"[{flavour}]"
+                _log_group(run, gtargets)
+                mlirs, whole, specs = _trace_group(run, parts, flavour, suffix, tag)
+                mlirs_made += [m for m, _ in mlirs]
+                files = _weights_stage(run, f"model{suffix}", flavour, whole, specs, tag)
+                if gi == 0:
+                    first = (files, specs)
+                for t in gtargets:
+                    jobs = [pool.submit(_compile_module, run, t, m, name) for m, name in mlirs]
+                    # a second group's targets read its own weight files, the inventory with its FP8 dtype
+                    compiles.append((t, flavour if suffix else None, files, jobs))
+        except BaseException:
+            for *_, jobs in compiles:
+                for j in jobs:
+                    j.cancel()
+            raise
+        for t, own_flavour, files, jobs in compiles:
+            target_info[t.name] = _target_info(run, t, [j.result() for j in jobs])
+            if own_flavour is not None:
+                target_info[t.name].update(parameters=files, fp8_dtype=_fp8_name(own_flavour))
+    if not run.spec.keep_mlir:
+        for mlir_path in mlirs_made:
+            mlir_path.unlink(missing_ok=True)
     config = _config(run, state_list, target_info, first, _copy_tokenizer(run.stage, tok_src))
     write_config(run.stage, config)
     return config
@@ -599,23 +660,26 @@ def _trace_group(run: _Run, parts: list[Any], flavour: str, suffix: str, tag: st
     return mlirs, whole, specs
 
 
-def _compile_target(run: _Run, t: Target, mlirs: list[tuple[Path, str]]) -> dict[str, Any]:
-    """Compile every module for target `t` with the plan's flags; returns its config.json entry."""
-    vmfbs, flags_used, seconds = [], (), 0.0
-    for mlir_path, name in mlirs:
-        vmfb = run.stage / f"model{name}.{t.name}.vmfb"
-        run.log(f"compiling {t.label}{name} ...")
-        try:
-            with _heartbeat(run.log, f"compiling {t.label}{name}"):
-                res = compile_mlir(mlir_path, t.with_devices(run.per_module), vmfb, list(run.plan.flags[t.name]),
-                                   log_path=run.out.parent / f"{run.out.name}.{t.name}.log")
-        except CompileError as e:
-            raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
-        run.timings[f"compile:{t.label}{name}"] = res.seconds
-        run.log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
-        vmfbs.append(vmfb.name)
-        flags_used, seconds = res.flags, seconds + res.seconds
-    info = {"vmfb": vmfbs[0], "flags": list(flags_used), "compile_s": round(seconds, 2), "driver": t.driver,
+def _compile_module(run: _Run, t: Target, mlir_path: Path, name: str) -> tuple[str, CompileResult]:
+    """Compile one module (the model, or a pipeline stage `name`) for target `t` with the plan's flags."""
+    vmfb = run.stage / f"model{name}.{t.name}.vmfb"
+    run.log(f"compiling {t.label}{name} ...")
+    try:
+        with _heartbeat(run.log, f"compiling {t.label}{name}"):
+            res = compile_mlir(mlir_path, t.with_devices(run.per_module), vmfb, list(run.plan.flags[t.name]),
+                               log_path=run.out.parent / f"{run.out.name}.{t.name}{name}.log")
+    except CompileError as e:
+        raise ExportError(f"compile:{t.label}{name}", str(e), e.ops) from None
+    run.timings[f"compile:{t.label}{name}"] = res.seconds
+    run.log(f"compiled {t.label}{name} -> {vmfb.name} ({vmfb.stat().st_size / 1e6:.2f} MB, {res.seconds:.1f} s)")
+    return vmfb.name, res
+
+
+def _target_info(run: _Run, t: Target, compiled: list[tuple[str, CompileResult]]) -> dict[str, Any]:
+    """Target `t`'s config.json entry from its modules' compiles (one, or one per pipeline stage)."""
+    vmfbs = [name for name, _ in compiled]
+    info = {"vmfb": vmfbs[0], "flags": list(compiled[-1][1].flags),
+            "compile_s": round(sum(res.seconds for _, res in compiled), 2), "driver": t.driver,
             "kernels": dict(run.plan.kernels)}
     if run.spec.pipeline:
         info["stages"] = vmfbs
@@ -644,6 +708,11 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
     if spec.probe_topk:
         extra["topk_probe_bs1"] = {**function_abi("prefill", [e["name"] for e in state_list]),
                                    "results": ["logits", "topk...", "topk_scores..."]}
+    speculative = None
+    if spec.draft_tokens:
+        speculative, fns = speculative_functions(spec.draft_tokens, spec.batch_sizes, spec.decode_batch_sizes,
+                                                 [e["name"] for e in state_list])
+        extra.update(fns)
     devices = (pipeline_layout(cfg, spec.devices) if spec.pipeline else
                layout(cfg, spec.devices) if spec.devices > 1 else None)
     config = build_config(
@@ -654,7 +723,7 @@ def _config(run: _Run, state_list: list[dict[str, Any]], target_info: dict[str, 
         bos_token_id=cfg.bos_token_id, eos_token_ids=list(cfg.eos_ids), export_id=run.export_id,
         extra_functions=extra, weights={"tensors": [t.to_json() for t in first[1]], "shard_bytes": SHARD_BYTES},
         devices=devices, sha256=run.digests,
-        lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)})
+        lowering={"batch_invariant": spec.batch_invariant, "overrides": dict(spec.kernels)}, speculative=speculative)
     if run.source:
         config["source"] = run.source
     return config

@@ -72,6 +72,9 @@ class ExportSpec:
     quant_sim: bool | None = None
     expert_dtype: str | None = None
     layers: int | None = None
+    # MTP speculative decoding: mtp_prefill_bs{N} (prefill batch sizes) and verify_bs{N}_k{K} (decode
+    # batch sizes) with K = draft_tokens (model/speculative.py); 0: none
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen: normalize once, here)
@@ -126,6 +129,10 @@ class ExportSpec:
             _fail(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_chunk is not None and (not isinstance(self.max_chunk, int) or self.max_chunk < 1):
             _fail(f"max_chunk must be a positive integer, got {self.max_chunk!r}")
+        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool) or self.draft_tokens < 0:
+            _fail(f"draft_tokens must be an integer >= 0, got {self.draft_tokens!r}")
+        if self.draft_tokens and (self.devices > 1 or self.pipeline):
+            _fail("--draft-tokens (MTP speculative decoding) is exported for one device only")
         for name in ("max_seq_len", "layers"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -158,6 +165,8 @@ class ExportSpec:
         if wrong:
             _fail("the model is not the one the spec describes: " + ", ".join(wrong))
         self.chunk_range(cfg)
+        if self.draft_tokens and not cfg.n_mtp:
+            _fail("--draft-tokens needs a model with an MTP block (num_nextn_predict_layers >= 1)")
         try:
             check_pipeline(cfg, self.devices) if self.pipeline else check_devices(cfg, self.devices)
         except ValueError as e:
@@ -181,4 +190,4 @@ class ExportSpec:
                    devices=args.devices, pipeline=args.pipeline, keep_mlir=args.keep_mlir,
                    dtype=_CLI_DTYPES[args.dtype], max_seq_len=args.max_seq_len,
                    quant_sim=None if args.quant_sim is None else args.quant_sim == "on",
-                   expert_dtype=args.expert_dtype, layers=args.layers)
+                   expert_dtype=args.expert_dtype, layers=args.layers, draft_tokens=getattr(args, "draft_tokens", 0))

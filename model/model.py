@@ -123,12 +123,29 @@ class Batch:
     lengths: torch.Tensor  # [B] real tokens per row
     slots: torch.Tensor  # [B] state slot of each row (distinct)
     pos: torch.Tensor  # [B,T]
+    # None: every state write happens at once, for the `lengths` real tokens. A list: the layers read
+    # as if their writes had happened but append each write here instead, a callable of the number of
+    # tokens per row to keep [B] (speculative verify: the kept count is known only after the logits)
+    pending: list | None = None
 
     @classmethod
-    def make(cls, tokens, start, lengths, slots) -> "Batch":
+    def make(cls, tokens, start, lengths, slots, deferred: bool = False) -> "Batch":
         T = tokens.shape[1]
         pos = start[:, None] + torch.arange(T, device=tokens.device)[None, :]
-        return cls(tokens, start, lengths, slots, pos)
+        return cls(tokens, start, lengths, slots, pos, [] if deferred else None)
+
+    def write(self, fn) -> None:
+        """State write fn(lengths [B]): now for `lengths` tokens, or deferred (see `pending`)."""
+        if self.pending is None:
+            fn(self.lengths)
+        else:
+            self.pending.append(fn)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Apply the deferred writes for the first keep[b] tokens of each row (keep <= lengths)."""
+        for fn in self.pending or ():
+            fn(keep)
+        self.pending = None
 
 
 def ring_rows(q: torch.Tensor, start: torch.Tensor, ring: int, T: int) -> torch.Tensor:
@@ -213,7 +230,8 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, b: Batch, ring_k: torch.Tensor, ring_z: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor):
-        """Returns (entries [B,E,hd], entry ids [B,E], completed [B,E], new ring_k, new ring_z)."""
+        """Returns (entries [B,E,hd], entry ids [B,E], completed [B,E], fresh K [B,T,c*hd], fresh Z+ape);
+        the caller writes the rings (ring_update) and the completed entries (`compressed_cache`)."""
         m, hd = self.ratio, self.hd
         B, T, _ = x.shape
         RS = ring_k.shape[1]
@@ -248,9 +266,7 @@ class Compressor(nn.Module):
                 ent = fp8_nope(ent, self.rd)
         elif self.rotate:
             ent = quant_sim.hadamard(ent)
-        new_k = ring_update(ring_k, k, b.start, b.lengths)
-        new_z = ring_update(ring_z, z, b.start, b.lengths)
-        return ent, j, done, new_k, new_z
+        return ent, j, done, k, z
 
 
 def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor, j: torch.Tensor,
@@ -260,6 +276,37 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
     rows = torch.where(done, j, scratch).clamp(0, scratch)
     slots = b.slots[:, None].expand_as(rows)
     _set(cache, (slots, torch.full_like(rows, group), rows), ent)
+
+
+def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, state: dict, kv: str, ring_k: str,
+                     ring_z: str, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Run compressor `comp` on the chunk and return the cache of state[kv] [B,R+1,F] as this call sees
+    it (the entries the chunk completes included); writes (or defers, Batch.pending) the rings
+    state[ring_k], state[ring_z] and the completed entries."""
+    g = torch.full_like(b.slots, group)
+    old_k, old_z = _get(state[ring_k], b.slots, group), _get(state[ring_z], b.slots, group)
+    ent, j, done, k, z = comp(x, b, old_k, old_z, cos, sin)
+
+    def write(lengths: torch.Tensor) -> None:
+        new_k, new_z = ring_update(old_k, k, b.start, lengths), ring_update(old_z, z, b.start, lengths)
+        _set(state[ring_k], (b.slots, g), new_k)
+        _set(state[ring_z], (b.slots, g), new_z)
+        if lengths is b.lengths:
+            _write_entries(state[kv], b, group, ent, j, done)
+            return
+        # deferred: entries the kept tokens do not complete leave the scratch row as it was (no trace)
+        kept = (j + 1) * comp.ratio <= (b.start + lengths)[:, None]
+        _write_entries(state[kv], b, group, torch.where(kept[..., None], ent.to(cache.dtype), cache[:, -1:]), j, kept)
+
+    if b.pending is None:
+        b.write(write)
+        return _get(state[kv], b.slots, group)
+    cache = _get(state[kv], b.slots, group)  # as before this call
+    b.write(write)
+    # deferred: the entries overlaid on a copy, as the write would have left the rows
+    rows = torch.where(done, j, cache.shape[1] - 1).clamp(0, cache.shape[1] - 1)
+    bi = torch.arange(cache.shape[0], device=cache.device)[:, None].expand_as(rows)
+    return cache.index_put((bi, rows), ent.to(cache.dtype))
 
 
 class Indexer(nn.Module):
@@ -293,14 +340,8 @@ class Indexer(nn.Module):
         q = quant_sim.hadamard(q)
         if self.quant_sim:
             q = quant_sim.fp4_qdq(q, 32)
-        g = torch.full_like(b.slots, st.group)
-        ring_k = _get(state["idx_cmp_kv_r4"], b.slots, st.group)
-        ring_z = _get(state["idx_cmp_score_r4"], b.slots, st.group)
-        ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos, sin)
-        _set(state["idx_cmp_kv_r4"], (b.slots, g), new_k)
-        _set(state["idx_cmp_score_r4"], (b.slots, g), new_z)
-        _write_entries(state["idx_kv_r4"], b, st.group, ent, j, done)
-        keys = _get(state["idx_kv_r4"], b.slots, st.group)[:, :-1]  # [B,R,di] (scratch row dropped)
+        keys = compressed_cache(self.compressor, x, b, st.group, state, "idx_kv_r4", "idx_cmp_kv_r4",
+                                "idx_cmp_score_r4", cos, sin)[:, :-1]  # [B,R,di] (scratch row dropped)
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_vis = torch.div(b.pos + 1, 4, rounding_mode="floor")
         if aux is not None:  # training hook (see `aux`)
@@ -379,14 +420,8 @@ class Attention(nn.Module):
         if self.ratio:
             m = self.ratio
             name = f"r{m}"
-            g = torch.full_like(b.slots, st.group)
-            ring_k = _get(state[f"cmp_kv_{name}"], b.slots, st.group)
-            ring_z = _get(state[f"cmp_score_{name}"], b.slots, st.group)
-            ent, j, done, new_k, new_z = self.compressor(x, b, ring_k, ring_z, cos_t, sin_t)
-            _set(state[f"cmp_kv_{name}"], (b.slots, g), new_k)
-            _set(state[f"cmp_score_{name}"], (b.slots, g), new_z)
-            _write_entries(state[f"kv_{name}"], b, st.group, ent, j, done)
-            cache = _get(state[f"kv_{name}"], b.slots, st.group)  # [B,R+1,D], entries of this call included
+            cache = compressed_cache(self.compressor, x, b, st.group, state, f"kv_{name}", f"cmp_kv_{name}",
+                                     f"cmp_score_{name}", cos_t, sin_t)  # [B,R+1,D], entries of this call included
             R = cache.shape[1] - 1
             if m == 4:
                 sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
@@ -404,8 +439,8 @@ class Attention(nn.Module):
         o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
         out = self.wo_b(o.flatten(2))
 
-        _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
-             ring_update(ring, kv, b.start, b.lengths))
+        b.write(lambda lengths: _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
+                                     ring_update(ring, kv, b.start, lengths)))
         return out
 
 
@@ -570,11 +605,14 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Backbone streams after the last block, [B,T,n,d] (what MTP consumes)."""
-        b = Batch.make(tokens, start_pos, lengths, slots)
+        return self.streams(Batch.make(tokens, start_pos, lengths, slots), state)
+
+    def streams(self, b: Batch, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`hidden` of a Batch (whose `pending` may defer the state writes)."""
         rope = rope_of(self)
-        h = embed_streams(self.embed, tokens, self.cfg.hc_mult)
+        h = embed_streams(self.embed, b.tokens, self.cfg.hc_mult)
         for i, layer in enumerate(self.layers):
-            h = layer(h, b, self.layout.layers[i], state, rope, tokens)
+            h = layer(h, b, self.layout.layers[i], state, rope, b.tokens)
         return h
 
     def logits(self, h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, head_params=None,
@@ -592,11 +630,19 @@ class Transformer(nn.Module):
                    slots: torch.Tensor, state: dict[str, torch.Tensor], k: int = 0,
                    all_logits: bool = False) -> torch.Tensor:
         """MTP block k: logits for token t+2 from backbone streams h at t and the ids of t+1."""
+        x = self.mtp_streams(h, Batch.make(next_tokens, start_pos, lengths, slots), state, k)
+        return self.mtp_head(x, lengths, all_logits, k)
+
+    def mtp_streams(self, h: torch.Tensor, b: Batch, state: dict[str, torch.Tensor], k: int = 0) -> torch.Tensor:
+        """MTP block k's output streams [B,T,n,d] from backbone streams h at t and b.tokens = the ids of t+1."""
         blk = self.mtp[k]
-        b = Batch.make(next_tokens, start_pos, lengths, slots)
-        e = blk.enorm(self.embed(next_tokens))
+        e = blk.enorm(self.embed(b.tokens))
         x = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).to(self.dtype)
-        x = blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, rope_of(self), next_tokens)
+        return blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, rope_of(self), b.tokens)
+
+    def mtp_head(self, x: torch.Tensor, lengths: torch.Tensor, all_logits: bool, k: int = 0) -> torch.Tensor:
+        """fp32 logits of MTP block k's streams x (its own hc_head and norm, the shared head)."""
+        blk = self.mtp[k]
         return self.logits(x, lengths, all_logits, (blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale), blk.norm)
 
 

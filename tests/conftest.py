@@ -19,6 +19,7 @@ The slow rule: `pytest -m "not slow"` is the fast tier, plain `pytest` (`make te
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import inspect
 import json
@@ -36,6 +37,9 @@ import torch
 from compile_guard import guard as compile_guard
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # a worker of `make test`: its share of the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def graph_sources() -> list[Path]:
@@ -77,16 +81,19 @@ def cached_export(tag: str, build: Callable[[Path], Any], key_parts: Iterable[An
     A test that gets an export is slow even when the cache holds it: a fresh clone builds it."""
     compile_guard.compiling(f"cached_export({tag!r})")
     cache = REPO / ".cache" / f"{tag}-{export_key(key_parts)}"
-    if not (cache / "config.json").is_file():
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=cache.parent))
-        try:
-            build(tmp)
-            if cache.exists():
-                shutil.rmtree(cache)
-            tmp.rename(cache)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per export: a second pytest worker asking for it waits here, then reads it
+    with open(cache.with_name(cache.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=cache.parent))
+            try:
+                build(tmp)
+                if cache.exists():
+                    shutil.rmtree(cache)
+                tmp.rename(cache)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return cache
 
 
@@ -108,7 +115,45 @@ def _fixture_compiles(fixturedef: Any) -> bool:
     return bool(_COMPILING_CALL.search(src))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# The session-wide exports, in the order their groups start on the workers of a distributed run
+# (`make test`: pytest-xdist, --dist loadgroup): the longest chain of work first.
+SHARED_EXPORTS = ("embedded_bf16_export", "tiny_fp32_export", "tiny_q_export")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_slow(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect (their config says dist "no")
+        _group_for_workers(items)
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Each worker of a distributed run builds what its tests need. So that nothing is built twice,
+    the tests that read a session-wide export form one group (one worker, which builds it once), and
+    every other test goes with its module (its module-scoped fixtures are built once). The groups
+    start in order: the shared exports, then the modules with slow tests, then the rest, so the long
+    chains are not left for last."""
+    def group(item: pytest.Item) -> tuple[int, str]:
+        for rank, name in enumerate(SHARED_EXPORTS):
+            if name in item.fixturenames:
+                return rank, name
+        return len(SHARED_EXPORTS) + (0 if item.get_closest_marker("slow") else 1), item.path.name
+
+    ranked = {item.nodeid: group(item) for item in items}
+    slow_modules = {g for rank, g in ranked.values() if rank == len(SHARED_EXPORTS)}
+    for item in items:
+        rank, name = ranked[item.nodeid]
+        if name in slow_modules:  # a module's fast tests go with its slow ones (the same module fixtures)
+            rank = len(SHARED_EXPORTS)
+        ranked[item.nodeid] = rank, name
+        item.add_marker(pytest.mark.xdist_group(name))
+    first = {}
+    for item in items:
+        first.setdefault(ranked[item.nodeid], len(first))
+    items.sort(key=lambda item: (ranked[item.nodeid][0], first[ranked[item.nodeid]]))
+
+
+def _mark_slow(items: list[pytest.Item]) -> None:
     """Every test that uses a compiling fixture (see _COMPILING_CALL) is `slow`; tests that compile
     by themselves carry the marker explicitly (the guard fails them otherwise)."""
     seen: dict[Any, bool] = {}
@@ -243,19 +288,18 @@ def scatter_block_scales(model: Any, seed: int, stacks: bool = False) -> Any:
 
 
 # ---- exports shared across test modules ------------------------------------------------------------
-# Each distinct export costs minutes on 2 cores (the embedded default: ~6 min); modules that can run
+# Each distinct export costs minutes on 2 cores (the embedded default: ~4 min); modules that can run
 # on the same one share it here.
 
 # The embedded default checkpoint as stored (FP8 linears, MXFP4 experts) with bf16 activations and its
-# tokenizer, max_seq_len 512: tests/test_embedded.py (held-out perplexity and greedy against eager, the
-# gfx942 e4m3fnuz hand-off, whose graph it also compiles for llvm-cpu from the kept MLIR),
-# tests/test_serve.py (the server) and tests/test_batch_invariance.py (decode bs1 against bs4 bit for
+# tokenizer, max_seq_len 512, for llvm-cpu (the gfx942 hand-off is tiny_q_export's): tests/test_embedded.py
+# (held-out perplexity and greedy against eager), tests/test_serve.py (the server) and tests/test_batch_invariance.py (decode bs1 against bs4 bit for
 # bit, which is also why the server may serve a request alone or among others through different batch
 # sizes). Prefill bs1 only: the Engine's default (batch-invariant) mode, which the server runs, prefills
 # one request per call; decode batches (bs1 and bs4). The 256-token chunk scores a 256-token
 # perplexity window in one call.
-EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
-                          max_chunk=256, keep_mlir=True)
+EMBEDDED_BF16_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1, 4), n_slots=4,
+                          max_chunk=256)
 EMBEDDED_BF16_MAX_SEQ_LEN = 512
 
 
@@ -320,11 +364,14 @@ def tiny_fp32_export() -> Path:
 
 # The tiny preset with 8 query heads in 8 o_groups (so 1, 2, 4 and 8 devices divide heads, groups, the
 # 8 routed experts and the 512-token vocabulary) in the release format (FP8 linears, MXFP4 experts),
-# fp32 activations, `dsv4 weights random` weights of seed 0 loaded into the model and exported from it:
+# fp32 activations, `dsv4 weights random` weights of seed 0 loaded into the model and exported from it,
+# for llvm-cpu (e4m3fn) and gfx942 (its own e4m3fnuz weights and graph, MLIR kept):
 # tests/test_multidevice.py (the one-device reference of its N-device exports, which get the same
-# random weights cut per device) and tests/test_cli.py (the shards' sha256 in config.json).
+# random weights cut per device), tests/test_cli.py (the shards' sha256 in config.json),
+# tests/test_weights.py (the .irpa round trip, the no-weights flow) and tests/test_fnuz_export.py (the
+# gfx942 hand-off: its weights, and its graph compiled for llvm-cpu).
 TINY_Q_SEED = 0
-TINY_Q_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), score=False)
+TINY_Q_ARGS = dict(targets=("llvm-cpu", "gfx942"), batch_sizes=(1,), score=False, keep_mlir=True)
 
 
 def tiny_q_cfg() -> Any:

@@ -80,6 +80,27 @@ def test_writer_refuses_a_config_the_reader_would_refuse(tmp_path: Path) -> None
     assert not (tmp_path / "config.json").exists()
 
 
+def test_speculative_entry_points_round_trip_and_are_checked(tmp_path: Path) -> None:
+    from dsv4.contract.artifact import speculative_functions
+
+    spec, fns = speculative_functions(2, [1], [1, 2], ["kv"])
+    got = ExportConfig.from_dict(_contract(speculative=spec, extra_functions=fns), tmp_path)
+    assert got.speculative == {"method": "mtp", "draft_tokens": 2, "prefill_batch_sizes": [1],
+                               "verify_batch_sizes": [1, 2]}
+    assert got.functions["mtp_prefill_bs1"]["args"] == ["tokens", "start_pos", "lengths", "slots", "next_tokens", "kv"]
+    assert got.functions["verify_bs2_k2"]["results"] == ["logits", "chosen", "accepted", "drafts"]
+    assert ExportConfig.from_dict(_contract(), tmp_path).speculative is None
+    with pytest.raises(ArtifactError, match="speculative: functions missing: verify_bs2_k2"):
+        ExportConfig.from_dict(_contract(speculative=spec, extra_functions={k: v for k, v in fns.items()
+                                                                            if k != "verify_bs2_k2"}), tmp_path)
+    with pytest.raises(ArtifactError, match="speculative: must be"):
+        ExportConfig.from_dict(_contract(speculative={**spec, "draft_tokens": 0}, extra_functions=fns), tmp_path)
+    bad = {**fns, "mtp_prefill_bs1": {**fns["mtp_prefill_bs1"],
+                                      "args": ["tokens", "start_pos", "lengths", "slots", "kv"]}}
+    with pytest.raises(ArtifactError, match=r"functions.mtp_prefill_bs1: args must be"):
+        ExportConfig.from_dict(_contract(speculative=spec, extra_functions=bad), tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------
 # staged build: OUT is replaced only when the new export is complete
 # ------------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ leaves room for retraining while an encoding bug (a scale off by a power of two,
 as fnuz) moves it by far more (checked below by planting exactly that bug). The compiled module
 runs the same graph as eager bf16, so it is held to 1 %.
 
-The export (llvm-cpu for running, gfx942 so CI also compiles the e4m3fnuz flavour of the FP8
-weights; max_seq_len 512) is conftest's embedded_bf16_export, which the server and batch-invariance
-tests share; it takes minutes on 2 cores and is cached under .cache/ keyed by the sources and weights.
+The export (llvm-cpu, max_seq_len 512) is conftest's embedded_bf16_export, which the server and
+batch-invariance tests share; it takes minutes on 2 cores and is cached under .cache/ keyed by the
+sources and weights. The gfx942 (e4m3fnuz) hand-off is tested on the tiny quantized export
+(tests/test_fnuz_export.py).
 """
 
 from __future__ import annotations
@@ -85,8 +86,7 @@ def ppl_fp8(fp8_model, windows) -> float:
 
 @pytest.fixture(scope="module")
 def export_dir(embedded_bf16_export: Path) -> Path:
-    """The embedded checkpoint exported as `dsv4 export` does by default (cached), MLIR kept so
-    the gfx942 (e4m3fnuz) graph can also be compiled for llvm-cpu and run here."""
+    """The embedded checkpoint exported for llvm-cpu (cached)."""
     return embedded_bf16_export
 
 
@@ -172,88 +172,6 @@ def test_greedy_continuation_of_the_fixed_prompt_is_the_same_compiled(engine, fp
     assert not bad, f"(step, compiled, eager, eager's gap) beyond the bf16 near-tie {TIE}: {bad}"
     assert agree >= NEW_TOKENS - 2  # near-ties are rare: measured 31-32 of 32
     assert "\ufffd" not in text  # whole UTF-8 characters, i.e. real text pieces
-
-
-def _irpa(paths: "tuple[Path, ...]") -> dict[str, bytes]:
-    """Every parameter of .irpa shards: name (without the 'model.' scope) -> raw bytes."""
-    import iree.runtime as rt
-
-    index = rt.ParameterIndex()
-    for p in paths:
-        index.load(str(p))
-    return {k.removeprefix("model."): bytes(e.file_view) for k, e in index.items()}
-
-
-def _fp8_weights(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {f"{n}.weight": (m.weight.data, m.scale.data) for n, m in model.named_modules()
-            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == torch.float8_e4m3fn}
-
-
-def test_gfx942_gets_the_fnuz_weights(export_dir, engine, fp8_model):
-    """The gfx942 hand-off (the FNUZ/OCP mix-up that breaks FP8 models on MI300X): config.json
-    names the model.fnuz-* shards for gfx942 only, Engine resolves them, and they hold exactly the
-    e4m3fnuz re-encoding of every FP8 weight (same bits, block scale x2) while the model-* shards hold the
-    checkpoint's e4m3fn bytes. Swapping the two archives fails here."""
-    from dsv4.model.quant.formats import fp8_fn_to_fnuz
-
-    targets = engine.config.targets
-    fn_files, fnuz_files = engine.config.parameters, engine.config.parameters_for("gfx942")
-    assert targets["gfx942"]["fp8_dtype"] == "float8_e4m3fnuz" and "parameters" not in targets["llvm-cpu"]
-    assert targets["gfx942"]["parameters"] == [f.name for f in fnuz_files]
-    assert all(f.name.startswith("model.fnuz-") for f in fnuz_files)
-    assert engine.config.parameters_for("llvm-cpu") == fn_files == engine.parameters_paths
-    assert not set(fn_files) & set(fnuz_files)
-    fn, fnuz = _irpa(fn_files), _irpa(fnuz_files)
-    assert fn.keys() == fnuz.keys()
-    weights = _fp8_weights(fp8_model)
-    assert len(weights) > 10
-    for name, (w, s) in weights.items():
-        scale = name.removesuffix("weight") + "scale"
-        w2, s2 = fp8_fn_to_fnuz(w, s)
-        assert fn[name] == w.contiguous().view(torch.uint8).numpy().tobytes(), name
-        assert fn[scale] == s.contiguous().numpy().tobytes(), scale
-        assert fnuz[name] == w2.contiguous().view(torch.uint8).numpy().tobytes(), name
-        assert fnuz[scale] == s2.contiguous().numpy().tobytes() != fn[scale], scale
-    converted = {*weights, *(n.removesuffix("weight") + "scale" for n in weights)}
-    assert all(fn[k] == fnuz[k] for k in fn.keys() - converted)  # everything else byte for byte
-
-
-@pytest.fixture(scope="module")
-def fnuz_on_cpu(export_dir, tmp_path_factory):
-    """The gfx942 flavour of the graph (e4m3fnuz weights and decode) compiled for llvm-cpu, as an
-    export directory of its own whose llvm-cpu target reads the model.fnuz-* shards (the vmfb is cached
-    next to the export)."""
-    import json
-
-    from dsv4.export.compile import compile_mlir
-    from dsv4.runtime.engine import Engine
-
-    vmfb = export_dir / "model.fnuz.llvm-cpu.vmfb"
-    if not vmfb.is_file():
-        tmp = vmfb.with_suffix(".tmp")
-        compile_mlir(export_dir / "model.fnuz.mlir", "llvm-cpu", tmp)
-        tmp.rename(vmfb)
-    out = tmp_path_factory.mktemp("fnuz_on_cpu")
-    cfg = json.loads((export_dir / "config.json").read_text())
-    cfg["targets"]["llvm-cpu"] = {**cfg["targets"]["llvm-cpu"], "vmfb": vmfb.name,
-                                  "parameters": cfg["targets"]["gfx942"]["parameters"],
-                                  "fp8_dtype": "float8_e4m3fnuz"}
-    (out / "config.json").write_text(json.dumps(cfg))
-    for f in export_dir.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    return Engine(out)
-
-
-def test_gfx942_flavour_runs_on_llvm_cpu_like_the_fn_one(fnuz_on_cpu, engine, windows):
-    """fnuz values are exactly fn values / 2 and the scale doubles, so the decoded weights, and the
-    scores, are the fn flavour's exactly (measured: bit-equal log-probabilities)."""
-    assert all(p.name.startswith("model.fnuz-") for p in fnuz_on_cpu.parameters_paths)
-    a = engine.score(windows[1], add_bos=False).logprobs[1:]
-    b = fnuz_on_cpu.score(windows[1], add_bos=False).logprobs[1:]
-    diff = max(abs(x - y) for x, y in zip(a, b))
-    print(f"[embedded] gfx942 (fnuz) graph on llvm-cpu vs fn graph: max |logprob diff| {diff:.3g} over {len(a)} tokens")
-    assert diff <= 1e-6
 
 
 def test_export_cli_defaults_to_the_embedded_model(monkeypatch, tmp_path):

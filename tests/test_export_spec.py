@@ -58,6 +58,8 @@ def test_bad_sizes(kw, msg):
     ({"targets": ("llvm-cpu", "cuda"), "batch_invariant": True}, "--batch-invariant cannot serve llvm-cpu and a GPU"),
     ({"pipeline": True}, "--pipeline needs --devices N with N >= 2"),
     ({"pipeline": True, "devices": 2, "probe_topk": True}, "top-k probe is not exported for pipeline stages"),
+    ({"draft_tokens": -1}, "draft_tokens must be an integer >= 0, got -1"),
+    ({"draft_tokens": 2, "devices": 2}, r"--draft-tokens \(MTP speculative decoding\) is exported for one device only"),
     ({"kernels": {"nope": "kernel"}}, "--kernel: unknown kernel op 'nope'"),
     ({"kernels": {"moe_experts": "kernel"}}, r"--kernel: kernel op 'moe_experts' has no implementation 'kernel'; "
                                              r"choose from \['reference', 'routed'\]"),
@@ -110,7 +112,8 @@ def test_from_args_maps_every_cli_option():
                                    "--n-slots", "9", "--max-chunk", "64", "--no-score", "--kernel", "topk=reference",
                                    "--kernel", "*=weight_only", "--batch-invariant", "--dtype", "fp32",
                                    "--max-seq-len", "512", "--quant-sim", "off", "--layers", "2", "--keep-mlir",
-                                   "-o", "x"]))
+                                   "--draft-tokens", "3", "-o", "x"]))
+    assert s.draft_tokens == 3 and ExportSpec.from_args(_cli(["-o", "x"])).draft_tokens == 0
     assert (s.batch_sizes, s.decode_batch_sizes, s.n_slots, s.max_chunk) == ((1, 4), (8,), 9, 64)
     assert s.kernels == (("topk", "reference"), ("*", "weight_only")) and s.batch_invariant
     assert (s.score, s.dtype, s.max_seq_len, s.quant_sim, s.layers, s.keep_mlir) == (False, "float32", 512, False,
@@ -128,6 +131,10 @@ def test_from_args_maps_every_cli_option():
 def test_check_model_compares_the_model_with_the_spec():
     s = ExportSpec(targets=("llvm-cpu",), dtype="bfloat16", max_seq_len=TINY.max_seq_len, layers=TINY.n_layers)
     s.check_model(TINY, "bfloat16")
+    s.replace(draft_tokens=2).check_model(TINY, "bfloat16")
+    no_mtp = TINY.replace(num_nextn_predict_layers=0, compress_ratios=TINY.compress_ratios[:TINY.n_layers])
+    with pytest.raises(ExportError, match=r"--draft-tokens needs a model with an MTP block"):
+        s.replace(draft_tokens=2).check_model(no_mtp, "bfloat16")
     with pytest.raises(ExportError, match=r"not the one the spec describes: dtype 'bfloat16' \(the model has "
                                           r"'float32'\)"):
         s.check_model(TINY, "float32")

@@ -60,7 +60,7 @@ def _export(n: int, pipeline: bool = False) -> Path:
     targets = ["llvm-cpu", "gfx942"] if n == N and not pipeline else ["llvm-cpu"]
 
     def build(d: Path) -> None:
-        spec = ExportSpec(**{**TINY_Q_ARGS, "targets": targets}, keep_mlir=n == N and not pipeline, devices=n,
+        spec = ExportSpec(**{**TINY_Q_ARGS, "targets": targets, "keep_mlir": n == N and not pipeline}, devices=n,
                           pipeline=pipeline)
         export_model(empty_model(cfg, torch.float32), spec, d, weights=lambda specs, fp8: random_tensors(specs, cfg.to_dict(), SEED))
 
