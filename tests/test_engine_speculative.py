@@ -273,3 +273,37 @@ def test_cli_speculative_errors(tmp_path, fake, capsys) -> None:
     assert rc == 2 and "needs --speculative mtp" in err
     rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--speculative", "mtp", "--temperature", "0.8"])
     assert rc == 2 and "greedy only" in err
+
+
+def test_async_engine_serves_greedy_requests_speculatively(tmp_path, fake) -> None:
+    """`dsv4 serve --speculative mtp`'s AsyncEngine on the Engine: greedy requests get plain greedy's
+    tokens through verify calls and their records carry the counts; a sampled one decodes plainly."""
+    import asyncio
+
+    from dsv4.runtime.serve.async_engine import AsyncEngine
+
+    eng = engine_mod.Engine(_write_export(tmp_path, 2))
+    records = []
+
+    async def run():
+        async with AsyncEngine(eng, speculative=True, on_finish=records.append) as aeng:
+            async def one(p, params):
+                return [c.token async for c in aeng.generate(p, params)]
+            return await asyncio.gather(one(PROMPTS[0], SamplingParams(max_new_tokens=12)),
+                                        one(PROMPTS[1], SamplingParams(max_new_tokens=9)),
+                                        one(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.9, seed=1)))
+
+    got = asyncio.run(run())
+    assert got[:2] == [plain_greedy(PROMPTS[0], 12), plain_greedy(PROMPTS[1], 9)]
+    assert len(got[2]) == 6
+    spec = sorted((r for r in records if r.drafted), key=lambda r: -r.generated_tokens)
+    assert len(spec) == 2
+    for r in spec:
+        assert r.generated_tokens == 1 + r.verify_calls + r.accepted and r.accepted <= r.drafted
+    assert eng.stats["accepted"] == sum(r.accepted for r in spec) > 0
+
+
+def test_serve_refuses_speculation_without_the_entry_points(tmp_path, fake, capsys) -> None:
+    pytest.importorskip("uvicorn")
+    rc, _, err = _cli_json(capsys, ["serve", str(_write_export(tmp_path, None)), "--speculative", "mtp"])
+    assert rc == 2 and "no speculative entry points" in err and "--draft-tokens K" in err
