@@ -40,12 +40,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, speculative=args.speculative == "mtp")
     except ValueError as e:
         return fail("generate", e)
+    if args.draft_tokens is not None and args.speculative is None:
+        return fail("generate", "--draft-tokens needs --speculative mtp")
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
                      devices=args.devices)
+        if params.speculative:
+            _check_speculative(eng, args.draft_tokens)
         if args.prompt_ids is not None:
             prompt: Any = args.prompt_ids
         elif args.chat:
@@ -85,9 +89,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(f"[{len(res.tokens)} tokens, stop: {res.stop_reason}, ttft {res.ttft_s * 1e3:.1f} ms"
               + (f", {1.0 / res.tpot_s:.1f} tok/s" if res.tpot_s else "")
+              + (f", {res.decode_calls} verify calls, {res.accepted}/{res.drafted} drafts accepted"
+                 if params.speculative else "")
               + ("" if params.greedy else f", seed {res.seed}") + "]",
               file=sys.stderr)
     return 0
+
+
+def _check_speculative(eng: Any, draft_tokens: int | None) -> None:
+    """RequestError unless the export has MTP speculative entry points (with K = draft_tokens when given)."""
+    from dsv4.contract.errors import RequestError
+
+    k = eng.draft_tokens
+    if k is None:
+        raise RequestError(f"{eng.config.directory} has no speculative entry points (mtp_prefill, verify): "
+                           "export it with `dsv4 export --draft-tokens K` for --speculative mtp")
+    if draft_tokens is not None and draft_tokens != k:
+        raise RequestError(f"--draft-tokens {draft_tokens}, but {eng.config.directory} was exported with "
+                           f"--draft-tokens {k} (its verify entry points check {k} drafts per step)")
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -154,6 +173,13 @@ def _add_generate(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="speculative decoding: the model's MTP block drafts, one verify call per step checks "
+                        "the drafts (greedy only; the same tokens as without; needs an export made with "
+                        "--draft-tokens K). --json then reports drafted, accepted and acceptance_rate")
+    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: drafts per step; must equal the export's --draft-tokens "
+                        "(default: the export's)")
     g.set_defaults(fn=cmd_generate)
     return g
 

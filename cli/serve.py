@@ -47,11 +47,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
                      devices=args.devices)
+        aeng = AsyncEngine(eng, max_queue=args.max_queue, speculative=args.speculative == "mtp")
     except EngineError as e:
         return fail("serve", str(e))
     name = args.served_model_name or Path(args.export_dir).resolve().name
-    app = build_app(AsyncEngine(eng, max_queue=args.max_queue), name, api_key=api_key,
-                    max_body_bytes=args.max_body_bytes)
+    app = build_app(aeng, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     print(f"dsv4 serve: {name} ({eng.config.n_slots} slots, context {eng.config.max_seq_len}, "
           f"{eng.target} on {args.device}) at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
@@ -84,6 +84,10 @@ def add_parser(subparsers: Any, name: str = "serve") -> argparse.ArgumentParser:
                    help="largest request body accepted, larger ones get 413 (default: 1 MiB + 32 bytes per "
                         "context position)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSV4_API_KEY)")
+    s.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="greedy requests (temperature 0, no logprobs) decode with the export's MTP drafts: the "
+                        "same tokens, fewer decode calls; needs an export made with --draft-tokens K; /metrics "
+                        "counts vllm:spec_decode_num_draft_tokens and _accepted_tokens")
     s.add_argument("--served-model-name", help="the model id clients send (default: the export directory's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled")

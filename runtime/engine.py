@@ -23,7 +23,11 @@ tokens; one request per call of the smallest ``prefill_bs{N}`` in the default ba
 mode, several per padded call otherwise; each yields its first token), then runs one decode step
 for every request that was already running, several per ``decode_bs{N}`` call. Requests join
 and leave between steps (continuous batching). ``generate``/``generate_batch``/``stream`` are
-loops over ``step()``.
+loops over ``step()``. A speculative request (``SamplingParams(speculative=True)``, greedy, on an
+export with ``--draft-tokens K``) runs every call through the MTP entry points instead: its prompt
+through ``mtp_prefill_bs{N}`` (which also yields K drafts), each step through ``verify_bs{N}_k{K}``
+(1 .. 1 + K tokens per step); it shares the slots and steps with plain requests, never their calls
+(the MTP window is kept only by those entry points; docs/runtime.md, Speculative decoding).
 
 Not thread-safe: one thread drives an Engine.
 """
@@ -40,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4.contract.artifact import ExportConfig, target_for_device
+from dsv4.contract.artifact import ExportConfig, mtp_prefill_name, target_for_device, verify_name
 from .batching import SlotAllocator, plan_calls
 from dsv4.contract.errors import ArtifactError, EngineError, RequestError
 from .module import IreeModule, PipelineModule
@@ -56,7 +60,10 @@ class GenerationResult:
     """A finished request. ``tokens`` include the eos/stop token that ended it; ``text`` does not
     (special tokens are skipped and the text is cut before a stop string); ``text`` is None when
     the export has no tokenizer. ``seed`` reproduces a sampled request (greedy ones draw nothing
-    from it); ``ttft_s`` is submit-to-first-token, ``tpot_s`` the mean time per later token."""
+    from it); ``ttft_s`` is submit-to-first-token, ``tpot_s`` the mean time per later token.
+    ``decode_calls`` counts the decode (or verify) calls the request took part in; a speculative
+    request also has ``drafted`` (MTP drafts checked) and ``accepted`` (those the model agreed with),
+    None otherwise."""
 
     request_id: int
     prompt_tokens: list[int]
@@ -66,10 +73,22 @@ class GenerationResult:
     seed: int | None
     ttft_s: float
     tpot_s: float | None
+    decode_calls: int = 0
+    drafted: int | None = None
+    accepted: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (None without speculation or drafts)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     def to_json(self) -> dict:
-        return {"tokens": self.tokens, "text": self.text, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
-                "stop_reason": self.stop_reason, "seed": self.seed, "prompt_tokens": len(self.prompt_tokens)}
+        out = {"tokens": self.tokens, "text": self.text, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+               "stop_reason": self.stop_reason, "seed": self.seed, "prompt_tokens": len(self.prompt_tokens),
+               "decode_calls": self.decode_calls}
+        if self.drafted is not None:
+            out.update(drafted=self.drafted, accepted=self.accepted, acceptance_rate=self.acceptance_rate)
+        return out
 
 
 @dataclass
@@ -117,6 +136,10 @@ class _Request:
     stop_reason: str | None = None
     t_first: float | None = None
     t_last: float | None = None
+    decode_calls: int = 0
+    drafts: np.ndarray | None = None  # speculative: the MTP drafts for the next verify call
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -199,7 +222,14 @@ class Engine:
         self._done: dict[int, GenerationResult] = {}
         self._next_id = 0
         self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0, "decode_rows": 0,
-                      "decode_padded_rows": 0, "device_samples": 0}
+                      "decode_padded_rows": 0, "device_samples": 0, "verify_calls": 0, "drafted": 0, "accepted": 0}
+
+    @property
+    def draft_tokens(self) -> int | None:
+        """K of the export's MTP speculative entry points (``dsv4 export --draft-tokens K``), None
+        when it has none."""
+        spec = self.config.speculative
+        return None if spec is None else int(spec["draft_tokens"])
 
     # ---- text ------------------------------------------------------------------------------
     @property
@@ -276,6 +306,9 @@ class Engine:
         ids = self._prompt_ids(prompt, add_bos)
         if params.stop and self.text is None:
             raise RequestError("stop strings need a tokenizer; this export has none")
+        if params.speculative and self.config.speculative is None:
+            raise RequestError(f"export {self.config.directory} has no speculative entry points (mtp_prefill, "
+                               "verify); re-export with `dsv4 export --draft-tokens K` for speculative decoding")
         for t in params.stop_token_ids:
             if not 0 <= t < self.config.vocab_size:
                 raise RequestError(f"stop token id {t} out of range [0, {self.config.vocab_size})")
@@ -323,11 +356,17 @@ class Engine:
             r.slot = self.slots.allocate()
             self._running.append(r)
             admitted.append(r)
-        for r, (logits, argmax, token) in zip(admitted, self._prefill(admitted)):
+        plain = [r for r in admitted if not r.params.speculative]
+        spec = [r for r in admitted if r.params.speculative]
+        first = dict(zip((r.id for r in plain), self._prefill(plain)))
+        first.update(zip((r.id for r in spec), self._prefill_speculative(spec)))
+        for r in admitted:
             r.pos = len(r.prompt)
-            events.append(self._accept(r, logits, argmax, token))
-        if decoding:
-            events.extend(self._decode(decoding))
+            events.append(self._accept(r, *first[r.id]))
+        if any(not r.params.speculative for r in decoding):
+            events.extend(self._decode([r for r in decoding if not r.params.speculative]))
+        if any(r.params.speculative for r in decoding):
+            events.extend(self._verify([r for r in decoding if r.params.speculative]))
         for r in [r for r in self._running if r.finished]:
             self._running.remove(r)
             self.slots.free(r.slot)
@@ -403,8 +442,85 @@ class Engine:
             logits = np.asarray(logits_d.to_host()) if self._need_host_logits(group, ids) else None
             for k, r in enumerate(group):
                 r.pos += 1
+                r.decode_calls += 1
                 events.append(self._accept(r, None if logits is None else logits[k], int(argmax[k]),
                                            None if ids is None else ids.get(k)))
+        return events
+
+    def _prefill_speculative(self, reqs: list[_Request]) -> list[tuple[None, int, None]]:
+        """``_prefill`` through ``mtp_prefill_bs{N}``: the prompt's chunks also run the MTP block (each
+        chunk is told the token after it, -1 after the prompt's last), so the request's MTP window is
+        kept and the call returns the first K drafts. Returns (None, argmax, None) per request (greedy
+        only) and leaves each request's drafts on it."""
+        cfg = self.config
+        step = cfg.prefill_max_tokens
+        sizes = list(cfg.speculative["prefill_batch_sizes"]) if reqs else []
+        sizes = sizes[:1] if self.batch_invariant else sizes
+        out: list[tuple[None, int, None]] = []
+        for group, bs, rows in self._groups(reqs, sizes):
+            last: list[tuple[None, int, None]] = [(None, -1, None)] * len(group)
+            for s in range(0, max(len(r.prompt) for r in group), step):
+                pieces = [r.prompt[s:s + step] for r in group]
+                T = max(max(len(p) for p in pieces), cfg.prefill_min_tokens)
+                tokens = np.zeros((bs, T), np.int64)
+                sp, ln, nxt = np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.full(bs, -1, np.int64)
+                for k, (r, p) in enumerate(zip(group, pieces)):
+                    tokens[k, :len(p)], sp[k], ln[k] = p, s, len(p)
+                    if s + step < len(r.prompt):
+                        nxt[k] = r.prompt[s + step]
+                name = mtp_prefill_name(bs)
+                _, argmax_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, nxt, *self.state)
+                self.stats["prefill_calls"] += 1
+                self.stats["prefill_rows"] += sum(1 for p in pieces if p)
+                ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
+                if ending:
+                    argmax = np.asarray(argmax_d.to_host()).reshape(-1)
+                    self._check_finite(name, argmax, [(k, group[k]) for k in ending])
+                    drafts = np.array(drafts_d.to_host(), dtype=np.int64, copy=True).reshape(bs, -1)
+                    for k in ending:
+                        group[k].drafts = drafts[k]
+                        last[k] = (None, int(argmax[k]), None)
+            out.extend(last)
+        return out
+
+    def _verify(self, reqs: list[_Request]) -> list[StreamChunk]:
+        """One speculative step for ``reqs``: ``verify_bs{N}_k{K}`` on [last token, K drafts] per row
+        (fewer real tokens where max_new_tokens or the context ends first); each row takes its
+        accepted drafts and the model's own next token (1 .. 1 + K tokens), and its next drafts."""
+        k_d = self.draft_tokens
+        events = []
+        for group, bs, rows in self._groups(reqs, self.config.speculative["verify_batch_sizes"]):
+            name = verify_name(bs, k_d)
+            tokens = np.zeros((bs, 1 + k_d), np.int64)
+            sp, ln = np.zeros(bs, np.int64), np.zeros(bs, np.int64)
+            for k, r in enumerate(group):
+                tokens[k, 0], tokens[k, 1:] = r.tokens[-1], np.clip(r.drafts, 0, None)
+                sp[k] = r.pos
+                ln[k] = min(1 + k_d, r.params.max_new_tokens - len(r.tokens), self.config.max_seq_len - r.pos)
+            _, chosen_d, accepted_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, *self.state)
+            self.stats["verify_calls"] += 1
+            self.stats["decode_calls"] += 1
+            self.stats["decode_rows"] += len(group)
+            self.stats["decode_padded_rows"] += bs - len(group)
+            chosen = np.asarray(chosen_d.to_host()).reshape(bs, 1 + k_d)
+            accepted = np.asarray(accepted_d.to_host()).reshape(-1)
+            drafts = np.array(drafts_d.to_host(), dtype=np.int64, copy=True).reshape(bs, k_d)
+            for k, r in enumerate(group):
+                a = int(accepted[k])
+                if not 0 <= a < ln[k]:
+                    raise EngineError(f"{name} accepted {a} drafts of row {k} with {ln[k] - 1} (a broken build)")
+                self._check_finite(name, chosen[k, :a + 1], [(i, r) for i in range(a + 1)])
+                r.decode_calls += 1
+                r.drafted += int(ln[k]) - 1
+                r.accepted += a
+                self.stats["drafted"] += int(ln[k]) - 1
+                self.stats["accepted"] += a
+                r.drafts = drafts[k]
+                for t in chosen[k, :a + 1]:
+                    r.pos += 1
+                    events.append(self._accept(r, None, int(t)))
+                    if r.finished:
+                        break
         return events
 
     def _check_finite(self, fname: str, argmax: np.ndarray, rows: list[tuple[int, _Request]]) -> None:
@@ -481,8 +597,10 @@ class Engine:
     def _result(self, r: _Request) -> GenerationResult:
         n = len(r.tokens)
         tpot = (r.t_last - r.t_first) / (n - 1) if n > 1 else None
+        spec = r.params.speculative
         return GenerationResult(r.id, r.prompt, list(r.tokens), r.text if self.text is not None else None,
-                                r.stop_reason, r.seed, r.t_first - r.t_submit, tpot)
+                                r.stop_reason, r.seed, r.t_first - r.t_submit, tpot, r.decode_calls,
+                                r.drafted if spec else None, r.accepted if spec else None)
 
     # ---- one-shot and streaming front ends -------------------------------------------------
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -486,3 +486,51 @@ def test_bench_serve_draws_prompt_ids_from_the_served_vocabulary() -> None:
     prompts = [p for p, _ in fake.submitted]
     assert len(prompts) == 7  # the warm-up and six
     assert max(max(p) for p in prompts) < _Config.vocab_size and max(max(p) for p in prompts) > 50
+
+
+class _SpecFake(FakeEngine):
+    """FakeEngine with speculative entry points (K = 2): a speculative request's result reports
+    (verify calls, drafted, accepted) = (n - 1 - n // 3, 2 (n - 1 - n // 3), n // 3) for n tokens."""
+
+    draft_tokens = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: dict[int, SamplingParams] = {}
+
+    def submit(self, prompt, params, add_bos: bool = True) -> int:
+        rid = super().submit(prompt, params, add_bos)
+        self.params[rid] = params
+        return rid
+
+    def result(self, rid: int):
+        p = self.params.pop(rid)
+        n = p.max_new_tokens
+        if not p.speculative:
+            return type("R", (), {"drafted": None})()
+        return type("R", (), {"decode_calls": n - 1 - n // 3, "drafted": 2 * (n - 1 - n // 3), "accepted": n // 3})()
+
+
+def test_serve_speculative_marks_greedy_requests_and_counts_drafts() -> None:
+    async def main():
+        fake = _SpecFake()
+        aeng = AsyncEngine(fake, max_queue=8, speculative=True)
+        app = build_app(aeng, MODEL)
+        async with aeng:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                for body in ({**OK, "temperature": 0, "max_tokens": 7}, {**OK, "temperature": 0, "max_tokens": 4},
+                             {**OK, "temperature": 0.8, "max_tokens": 5},
+                             {**OK, "temperature": 0, "max_tokens": 3, "logprobs": 1}):
+                    assert (await post(client, "/v1/completions", body)).status_code == 200
+                m = (await client.get("/metrics")).text
+        assert [p.speculative for _, p in fake.submitted] == [True, True, False, False]
+        lab = {"model_name": MODEL}
+        assert _metric(m, "vllm:spec_decode_num_drafts_total", **lab) == (6 - 2) + (3 - 1)
+        assert _metric(m, "vllm:spec_decode_num_draft_tokens_total", **lab) == 2 * (4 + 2)
+        assert _metric(m, "vllm:spec_decode_num_accepted_tokens_total", **lab) == 2 + 1
+    asyncio.run(main())
+
+
+def test_serve_speculative_needs_the_entry_points() -> None:
+    with pytest.raises(EngineError, match="--draft-tokens K"):
+        AsyncEngine(FakeEngine(), speculative=True)

@@ -129,3 +129,35 @@ def test_runtime_loop_gives_plain_greedy_tokens(art):
     got, stats = speculative_greedy(mod, cfg, prompts, 8)
     assert got == [greedy(model, p, 8) for p in prompts]
     assert stats["prefill_calls"] == 3 and stats["verify_calls"] >= 1
+
+
+def test_engine_and_cli_speculative_give_plain_greedy_tokens(spec_export, capsys):
+    """`Engine` with SamplingParams(speculative=True), alone and batched (one verify_bs3_k2 call per
+    step for rows accepting different counts), and `dsv4 generate --speculative mtp --json`: the tokens
+    of plain greedy decoding (prefill_bs1 / decode_bs3 on the same export) and consistent counts."""
+    import json
+
+    from dsv4.cli import main
+    from dsv4.runtime.engine import Engine
+    from dsv4.runtime.sampling import SamplingParams
+
+    eng = Engine(spec_export)
+    assert eng.draft_tokens == K
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (9, 40, 23)]
+    n_new = [12, 10, 7]
+    plain = eng.generate_batch(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_new])
+    spec = eng.generate_batch(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=True)
+                                        for n in n_new])
+    alone = [eng.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=True))
+             for p, n in zip(prompts, n_new)]
+    assert [r.tokens for r in spec] == [r.tokens for r in alone] == [r.tokens for r in plain]
+    for r in spec + alone:
+        assert len(r.tokens) == 1 + r.decode_calls + r.accepted and 0 <= r.accepted <= r.drafted
+    assert [r.decode_calls for r in plain] == [n - 1 for n in n_new]
+    ids = ",".join(map(str, prompts[1]))
+    argv = ["generate", str(spec_export), "--prompt-ids", ids, "--max-new-tokens", "10", "--ignore-eos", "--json"]
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", str(K)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain[1].tokens
+    assert out["decode_calls"] == 9 - out["accepted"] and out["acceptance_rate"] == out["accepted"] / out["drafted"]

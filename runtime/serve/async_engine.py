@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import Engine, EngineError, RequestError, StreamChunk
@@ -70,6 +70,9 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     t_finished: float | None = None
     finish_reason: str | None = None
+    verify_calls: int = 0  # speculative requests that finished: their verify calls, drafts and accepted ones
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def generated_tokens(self) -> int:
@@ -145,9 +148,17 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine, *, max_queue: int = 64,
-                 on_finish: Callable[[RequestRecord], None] | None = None):
+                 on_finish: Callable[[RequestRecord], None] | None = None, speculative: bool = False):
+        """``speculative``: every greedy request without logprobs decodes with the export's MTP drafts
+        (SamplingParams.speculative); sampled ones decode as before. EngineError when the export has
+        no speculative entry points."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if speculative and getattr(engine, "draft_tokens", None) is None:
+            raise EngineError("this export has no speculative entry points (mtp_prefill, verify): "
+                              "export it with `dsv4 export --draft-tokens K` to serve with speculation")
+        self.speculative = speculative
+        self._spec_counts: dict[int, tuple[int, int, int]] = {}  # engine id -> (verify calls, drafted, accepted)
         self.engine = engine
         self.n_slots = int(engine.config.n_slots)
         self.max_queue = max_queue
@@ -230,6 +241,8 @@ class AsyncEngine:
         if self.num_running + len(self._waiting) >= self.n_slots + self.max_queue:
             raise Overloaded(f"server at capacity: {self.num_running} requests running, "
                              f"{len(self._waiting)} waiting (max_queue {self.max_queue})")
+        if self.speculative and params.greedy and params.logprobs is None:
+            params = replace(params, speculative=True)
         h = RequestHandle(self, list(ids), params)
         self._waiting.append(h)
         self._wake.set()
@@ -317,6 +330,9 @@ class AsyncEngine:
                                       ch.logprob, ch.top_logprobs, pieces))
             if ch.finished:
                 del self._running[ch.request_id]
+                counts = self._spec_counts.pop(ch.request_id, None)
+                if counts is not None:
+                    h.record.verify_calls, h.record.drafted, h.record.accepted = counts
                 h._finish(ch.stop_reason or "stop", t)
 
     def _tick(self, cancels: list[int], admit: list[RequestHandle], running: list[int]
@@ -349,7 +365,9 @@ class AsyncEngine:
         out = []
         for ch in chunks:
             if ch.finished:
-                eng.result(ch.request_id)  # the Engine keeps results until taken
+                res = eng.result(ch.request_id)  # the Engine keeps results until taken
+                if getattr(res, "drafted", None) is not None:
+                    self._spec_counts[ch.request_id] = (res.decode_calls, res.drafted, res.accepted)
             pieces = None
             if ch.top_logprobs is not None and eng.tokenizer is not None:
                 ids = {ch.token, *(i for i, _ in ch.top_logprobs)}

@@ -50,6 +50,13 @@ class ServeMetrics:
         self.finished = Counter("vllm:request_success", "Requests that ended, by finish reason "
                                 "(stop, length, abort = cancelled or client gone, error).",
                                 lab + ["finished_reason"], registry=r)
+        # speculative decoding (vLLM's names): verify calls, drafts checked, drafts accepted
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verify calls (finished requests).",
+                                   lab, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", lab,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lab,
+                                            registry=r)
         self.rejected = Counter("dsv4:requests_rejected", "Requests refused before they were queued, by HTTP status.",
                                 lab + ["status"], registry=r)
 
@@ -68,6 +75,10 @@ class ServeMetrics:
         self.generation_tokens.labels(m).inc(n)
         if rec.e2e is not None:
             self.e2e.labels(m).observe(rec.e2e)
+        if rec.drafted or rec.verify_calls:
+            self.spec_drafts.labels(m).inc(rec.verify_calls)
+            self.spec_draft_tokens.labels(m).inc(rec.drafted)
+            self.spec_accepted_tokens.labels(m).inc(rec.accepted)
         reason = rec.finish_reason or "stop"
         self.finished.labels(m, FINISH_REASON.get(reason, reason)).inc()
 

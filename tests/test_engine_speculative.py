@@ -1,0 +1,309 @@
+"""Speculative greedy decoding through the Engine and `dsv4 generate --speculative mtp`, with a fake
+module in place of the compiled one (the seam: engine.IreeModule; the compiled entry points are
+checked against the eager reference in tests/test_speculative_export.py).
+
+The fake model's greedy token after token t at position p is ``f(t, p) = (5 t + p) mod V``, so the
+plain greedy continuation is a formula (the independent reference here). Its MTP "drafter" is right
+except after a chosen token divisible by 4 (then it drafts f + 1), so rows accept different numbers
+of drafts. The fake keeps, per slot, the tokens written at each position, and checks that every call
+starts where the slot's written tokens end and that verify writes only the kept positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv4.cli import main
+from dsv4.contract.artifact import build_config, speculative_functions, write_config
+from dsv4.contract.errors import RequestError
+from dsv4.runtime import engine as engine_mod
+from dsv4.runtime.sampling import SamplingParams, SamplingParamsError
+
+V, SLOTS, SEQ, TMAX = 64, 4, 96, 8
+PREFILL_BS, DECODE_BS = (1, 2), (1, 2, 4)
+
+
+def f(t: int, p: int) -> int:
+    return (5 * t + p) % V
+
+
+def plain_greedy(prompt: list[int], n: int) -> list[int]:
+    out, t, p = [], prompt[-1], len(prompt) - 1
+    for _ in range(n):
+        t, p = f(t, p), p + 1
+        out.append(t)
+    return out
+
+
+class _Host:
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def to_host(self) -> np.ndarray:
+        return self.a
+
+
+class FakeModule:
+    """The export ABI (prefill/decode/mtp_prefill/verify) over the formula model; ``written[slot]``
+    the tokens at positions 0 .. of each slot."""
+
+    instances: list["FakeModule"] = []
+    k = 2
+
+    def __init__(self, vmfb, parameters=None, **kw) -> None:
+        self.written: dict[int, list[int]] = {s: [] for s in range(SLOTS)}
+        self.calls: list[str] = []
+        FakeModule.instances.append(self)
+
+    @property
+    def function_names(self) -> list[str]:
+        names = [f"prefill_bs{n}" for n in PREFILL_BS] + [f"decode_bs{n}" for n in DECODE_BS]
+        return names + [f"mtp_prefill_bs{n}" for n in PREFILL_BS] + [f"verify_bs{n}_k{self.k}" for n in DECODE_BS]
+
+    def read_export_id(self) -> None:
+        return None
+
+    def zeros(self, spec) -> _Host:
+        return _Host(np.zeros(spec.shape, np.float32))
+
+    def _write(self, slot: int, start: int, toks) -> None:
+        w = self.written[slot]
+        assert start <= len(w), f"slot {slot}: a call at {start} after {len(w)} written tokens"
+        del w[start:]
+        w.extend(int(t) for t in toks)
+
+    def _drafts(self, c: int, p: int) -> list[int]:
+        """K drafts after token c chosen at position p (p: c's position)."""
+        d, t = [], c
+        for i in range(self.k):
+            nxt = f(t, p + i)
+            if i == 0 and c % 4 == 0:
+                nxt = (nxt + 1) % V
+            d.append(nxt)
+            t = nxt
+        return d
+
+    def function(self, name: str):
+        self.calls.append(name)
+        bs = int(name.split("bs", 1)[1].split("_")[0])
+
+        def step(tokens, start_pos, lengths, slots, *rest):
+            assert tokens.shape[0] == bs and len(slots) == bs and len(set(slots.tolist())) == bs
+            nxt_tok = rest[0] if name.startswith("mtp_prefill") else None
+            logits = np.zeros((bs, V), np.float32)
+            am = np.zeros(bs, np.int64)
+            drafts = np.zeros((bs, self.k), np.int64)
+            for b in range(bs):
+                n = int(lengths[b])
+                if n == 0:
+                    continue
+                self._write(int(slots[b]), int(start_pos[b]), tokens[b, :n])
+                last = int(start_pos[b]) + n - 1
+                am[b] = f(int(tokens[b, n - 1]), last)
+                logits[b, am[b]] = 1.0
+                if nxt_tok is not None and int(nxt_tok[b]) >= 0:
+                    assert nxt_tok[b] == -1 or n == TMAX  # only a full chunk is followed by another
+                drafts[b] = self._drafts(int(am[b]), last + 1)
+            if name.startswith("mtp_prefill"):
+                return _Host(logits), _Host(am), _Host(drafts)
+            return _Host(logits), _Host(am)
+
+        def verify(tokens, start_pos, lengths, slots, *state):
+            assert tokens.shape == (bs, 1 + self.k)
+            chosen = np.zeros((bs, 1 + self.k), np.int64)
+            acc = np.zeros(bs, np.int64)
+            drafts = np.zeros((bs, self.k), np.int64)
+            for b in range(bs):
+                n, p = int(lengths[b]), int(start_pos[b])
+                if n == 0:
+                    continue
+                for i in range(n):
+                    chosen[b, i] = f(int(tokens[b, i]), p + i)
+                a = 0
+                while a + 1 < n and tokens[b, a + 1] == chosen[b, a]:
+                    a += 1
+                acc[b] = a
+                self._write(int(slots[b]), p, tokens[b, :a + 1])  # only the kept positions
+                drafts[b] = self._drafts(int(chosen[b, a]), p + a + 1)
+            return _Host(np.zeros((bs, 1 + self.k, V), np.float32)), _Host(chosen), _Host(acc), _Host(drafts)
+
+        return verify if name.startswith("verify") else step
+
+
+def _write_export(d: Path, k: int | None, eos: tuple[int, ...] = ()) -> Path:
+    state = [{"name": "kv", "shape": [SLOTS, 8], "dtype": "float32"}]
+    spec, fns = (None, {}) if k is None else speculative_functions(k, PREFILL_BS, DECODE_BS, ["kv"])
+    raw = build_config(model={"vocab_size": V}, activation_dtype="float32", n_slots=SLOTS, max_seq_len=SEQ,
+                       prefill_batch_sizes=list(PREFILL_BS), min_tokens=1, max_tokens=TMAX,
+                       decode_batch_sizes=list(DECODE_BS), score_batch_sizes=[], state=state,
+                       targets={"llvm-cpu": {"vmfb": "model.llvm-cpu.vmfb"}}, parameters="model.irpa",
+                       tokenizer=None, bos_token_id=None, eos_token_ids=list(eos), export_id="fake",
+                       extra_functions=fns, speculative=spec)
+    write_config(d, raw)
+    (d / "model.llvm-cpu.vmfb").write_bytes(b"")
+    (d / "model.irpa").write_bytes(b"")
+    return d
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeModule.instances.clear()
+    FakeModule.k = 2
+    monkeypatch.setattr(engine_mod, "IreeModule", FakeModule)
+    return FakeModule
+
+
+PROMPTS = [[3, 9, 4], list(range(1, 20)), [8] * 11]
+
+
+def _check_counts(res, n_new: int) -> None:
+    assert 0 <= res.accepted <= res.drafted
+    # every verify call yields its accepted drafts and one token of the model's own (no stop token here)
+    assert len(res.tokens) == 1 + res.decode_calls + res.accepted
+    if res.accepted:
+        assert res.decode_calls < len(res.tokens) - 1
+    assert res.acceptance_rate == pytest.approx(res.accepted / res.drafted)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_tokens_are_plain_greedy_alone_and_batched(tmp_path, fake, k) -> None:
+    fake.k = k
+    eng = engine_mod.Engine(_write_export(tmp_path, k))
+    assert eng.draft_tokens == k
+    n_new = [20, 13, 7]
+    alone = []
+    for p, n in zip(PROMPTS, n_new):
+        alone.append(eng.generate(p, SamplingParams(max_new_tokens=n, speculative=True)))
+        assert alone[-1].tokens == plain_greedy(p, n)
+        _check_counts(alone[-1], n)
+    calls = len(eng.module.calls)
+    res = eng.generate_batch(PROMPTS, [SamplingParams(max_new_tokens=n, speculative=True) for n in n_new])
+    assert [r.tokens for r in res] == [plain_greedy(p, n) for p, n in zip(PROMPTS, n_new)]
+    for r, n in zip(res, n_new):
+        _check_counts(r, n)
+    assert len({(r.accepted, r.drafted) for r in res}) > 1  # the rows accepted different counts
+    batched = eng.module.calls[calls:]
+    assert any(c.startswith(("verify_bs2_", "verify_bs4_")) for c in batched)
+    assert not any(c.startswith(("prefill_", "decode_")) for c in eng.module.calls)
+    assert eng.stats["accepted"] == sum(r.accepted for r in alone + res) > 0
+    assert eng.stats["drafted"] == sum(r.drafted for r in alone + res)
+
+
+def test_speculative_and_plain_requests_share_the_engine(tmp_path, fake) -> None:
+    eng = engine_mod.Engine(_write_export(tmp_path, 2))
+    params = [SamplingParams(max_new_tokens=15, speculative=s) for s in (True, False, True)]
+    res = eng.generate_batch(PROMPTS, params)
+    assert [r.tokens for r in res] == [plain_greedy(p, 15) for p in PROMPTS]
+    assert res[1].drafted is None and res[1].decode_calls == 14
+    assert "drafted" not in res[1].to_json() and res[1].to_json()["decode_calls"] == 14
+    js = res[0].to_json()
+    assert js["acceptance_rate"] == res[0].accepted / res[0].drafted and js["decode_calls"] == res[0].decode_calls
+    assert eng.stats["accepted"] == res[0].accepted + res[2].accepted
+    assert eng.stats["drafted"] == res[0].drafted + res[2].drafted
+    assert eng.stats["verify_calls"] < eng.stats["decode_calls"]
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request(tmp_path, fake) -> None:
+    fake.k = 3
+    eng = engine_mod.Engine(_write_export(tmp_path, 3))
+    want = plain_greedy(PROMPTS[1], 30)
+    stop = want[9]
+    cut = want[:want.index(stop) + 1]
+    res = eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=30, speculative=True, stop_token_ids=(stop,)))
+    assert res.tokens == cut and res.stop_reason == "stop_token"
+    # the slot is free again and a new request reuses it from position 0
+    res2 = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=5, speculative=True))
+    assert res2.tokens == plain_greedy(PROMPTS[0], 5)
+
+
+def test_speculative_errors(tmp_path, fake) -> None:
+    with pytest.raises(SamplingParamsError, match="greedy only"):
+        SamplingParams(speculative=True, temperature=0.7)
+    with pytest.raises(SamplingParamsError, match="logprobs"):
+        SamplingParams(speculative=True, logprobs=2)
+    assert SamplingParams(speculative=True, temperature=0.7, top_k=1).greedy  # top_k 1 is greedy
+    eng = engine_mod.Engine(_write_export(tmp_path, None))
+    assert eng.draft_tokens is None
+    with pytest.raises(RequestError, match="--draft-tokens K"):
+        eng.submit([1, 2], SamplingParams(speculative=True))
+
+
+def _cli_json(capsys, argv: list[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_speculative_json_matches_plain_greedy(tmp_path, fake, capsys) -> None:
+    import json
+
+    d = str(_write_export(tmp_path, 2))
+    prompt = ",".join(map(str, PROMPTS[1]))
+    rc, out, err = _cli_json(capsys, ["generate", d, "--prompt-ids", prompt, "--max-new-tokens", "24", "--json",
+                                      "--speculative", "mtp"])
+    assert rc == 0, err
+    spec = json.loads(out)
+    rc, out, _ = _cli_json(capsys, ["generate", d, "--prompt-ids", prompt, "--max-new-tokens", "24", "--json"])
+    plain = json.loads(out)
+    assert spec["tokens"] == plain["tokens"] == plain_greedy(PROMPTS[1], 24)
+    assert plain["decode_calls"] == 23 and "acceptance_rate" not in plain
+    assert 0 < spec["accepted"] <= spec["drafted"]
+    assert spec["acceptance_rate"] == spec["accepted"] / spec["drafted"]
+    assert spec["decode_calls"] == 23 - spec["accepted"]
+    rc, _, err = _cli_json(capsys, ["generate", d, "--prompt-ids", prompt, "--max-new-tokens", "4",
+                                    "--speculative", "mtp", "--draft-tokens", "2"])
+    assert rc == 0 and "verify calls" in err
+
+
+def test_cli_speculative_errors(tmp_path, fake, capsys) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    _write_export(plain, None)
+    _write_export(spec, 2)
+    base = ["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
+    rc, _, err = _cli_json(capsys, [base[0], str(plain), *base[1:], "--speculative", "mtp"])
+    assert rc == 2 and "no speculative entry points" in err and "dsv4 export --draft-tokens K" in err
+    rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--speculative", "mtp", "--draft-tokens", "3"])
+    assert rc == 2 and "--draft-tokens 3" in err and "exported with --draft-tokens 2" in err
+    rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--draft-tokens", "2"])
+    assert rc == 2 and "needs --speculative mtp" in err
+    rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--speculative", "mtp", "--temperature", "0.8"])
+    assert rc == 2 and "greedy only" in err
+
+
+def test_async_engine_serves_greedy_requests_speculatively(tmp_path, fake) -> None:
+    """`dsv4 serve --speculative mtp`'s AsyncEngine on the Engine: greedy requests get plain greedy's
+    tokens through verify calls and their records carry the counts; a sampled one decodes plainly."""
+    import asyncio
+
+    from dsv4.runtime.serve.async_engine import AsyncEngine
+
+    eng = engine_mod.Engine(_write_export(tmp_path, 2))
+    records = []
+
+    async def run():
+        async with AsyncEngine(eng, speculative=True, on_finish=records.append) as aeng:
+            async def one(p, params):
+                return [c.token async for c in aeng.generate(p, params)]
+            return await asyncio.gather(one(PROMPTS[0], SamplingParams(max_new_tokens=12)),
+                                        one(PROMPTS[1], SamplingParams(max_new_tokens=9)),
+                                        one(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.9, seed=1)))
+
+    got = asyncio.run(run())
+    assert got[:2] == [plain_greedy(PROMPTS[0], 12), plain_greedy(PROMPTS[1], 9)]
+    assert len(got[2]) == 6
+    spec = sorted((r for r in records if r.drafted), key=lambda r: -r.generated_tokens)
+    assert len(spec) == 2
+    for r in spec:
+        assert r.generated_tokens == 1 + r.verify_calls + r.accepted and r.accepted <= r.drafted
+    assert eng.stats["accepted"] == sum(r.accepted for r in spec) > 0
+
+
+def test_serve_refuses_speculation_without_the_entry_points(tmp_path, fake, capsys) -> None:
+    pytest.importorskip("uvicorn")
+    rc, _, err = _cli_json(capsys, ["serve", str(_write_export(tmp_path, None)), "--speculative", "mtp"])
+    assert rc == 2 and "no speculative entry points" in err and "--draft-tokens K" in err
