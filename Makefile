@@ -30,8 +30,8 @@ $(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
 run: $(EXPORT_DIR)/config.json
 	$(BIN)/dsv4 generate $(EXPORT_DIR) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --echo
 
-# The whole suite on up to 4 workers (pytest-xdist; tests/conftest.py groups the tests that share an
-# export so that each export is built once). TEST_WORKERS=0 runs it in one process.
+# The whole suite on up to 4 workers (pytest-xdist; tests/conftest.py orders the tests, and its export
+# cache lets one worker build an export while another waits for it). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto --maxprocesses 4
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

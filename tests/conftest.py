@@ -115,39 +115,32 @@ def _fixture_compiles(fixturedef: Any) -> bool:
     return bool(_COMPILING_CALL.search(src))
 
 
-# The session-wide exports, in the order their groups start on the workers of a distributed run
-# (`make test`: pytest-xdist, --dist loadgroup): the longest chain of work first.
+# The session-wide exports, in the order their tests start on the workers of a distributed run
+# (`make test`: pytest-xdist): the longest chain of work first.
 SHARED_EXPORTS = ("embedded_bf16_export", "tiny_fp32_export", "tiny_q_export")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _mark_slow(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect (their config says dist "no")
-        _group_for_workers(items)
+        _order_for_workers(items)
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Each worker of a distributed run builds what its tests need. So that nothing is built twice,
-    the tests that read a session-wide export form one group (one worker, which builds it once), and
-    every other test goes with its module (its module-scoped fixtures are built once). The groups
-    start in order: the shared exports, then the modules with slow tests, then the rest, so the long
-    chains are not left for last."""
-    def group(item: pytest.Item) -> tuple[int, str]:
-        for rank, name in enumerate(SHARED_EXPORTS):
+def _order_for_workers(items: list[pytest.Item]) -> None:
+    """The order the workers take the tests in: the tests that read a shared export first (each
+    export's together), then the modules with slow tests, then the rest. pytest-xdist 3.8's groups
+    (xdist_group, --dist loadgroup) do not hold under pytest 9.2: the '@group' xdist appends to an
+    item's `_nodeid` is not the nodeid pytest 9 reports (it reads `_id`), so every test is scheduled on
+    its own; a worker that needs an export another one is building waits on cached_export's lock."""
+    def rank(item: pytest.Item) -> tuple[int, str]:
+        for r, name in enumerate(SHARED_EXPORTS):
             if name in item.fixturenames:
-                return rank, name
+                return r, name
         return len(SHARED_EXPORTS) + (0 if item.get_closest_marker("slow") else 1), item.path.name
 
-    ranked = {item.nodeid: group(item) for item in items}
-    slow_modules = {g for rank, g in ranked.values() if rank == len(SHARED_EXPORTS)}
-    for item in items:
-        rank, name = ranked[item.nodeid]
-        if name in slow_modules:  # a module's fast tests go with its slow ones (the same module fixtures)
-            rank = len(SHARED_EXPORTS)
-        ranked[item.nodeid] = rank, name
-        item.add_marker(pytest.mark.xdist_group(name))
-    first = {}
+    ranked = {item.nodeid: rank(item) for item in items}
+    first: dict[tuple[int, str], int] = {}
     for item in items:
         first.setdefault(ranked[item.nodeid], len(first))
     items.sort(key=lambda item: (ranked[item.nodeid][0], first[ranked[item.nodeid]]))
