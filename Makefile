@@ -30,11 +30,11 @@ $(EXPORT_DIR)/config.json: $(STAMP) $(EXPORT_DEPS)
 run: $(EXPORT_DIR)/config.json
 	$(BIN)/dsv4 generate $(EXPORT_DIR) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --echo
 
-# The whole suite on up to 4 workers (pytest-xdist; tests/conftest.py orders the tests, and its export
-# cache lets one worker build an export while another waits for it). TEST_WORKERS=0: one process.
+# The whole suite on up to 4 workers (pytest-xdist; tests/conftest.py's scheduler runs the modules that
+# share an export on one worker, the export units first). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto --maxprocesses 4
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(EXPORT_DIR)

@@ -115,35 +115,103 @@ def _fixture_compiles(fixturedef: Any) -> bool:
     return bool(_COMPILING_CALL.search(src))
 
 
-# The session-wide exports, in the order their tests start on the workers of a distributed run
-# (`make test`: pytest-xdist): the longest chain of work first.
-SHARED_EXPORTS = ("embedded_bf16_export", "tiny_fp32_export", "tiny_q_export")
+# ---- distributing the tests over pytest-xdist workers (`make test`) -----------------------------
+# Under `pytest -n N` the tests run in work units, each on one worker from start to end: the modules
+# that read one session-wide export form its unit (the export is built once, by the worker that runs
+# them, and no worker waits on another one's build), and every other module is a unit of its own (so
+# its module-scoped fixtures, some of them exports or compiles, are set up once). "module[param]":
+# only that module's tests of that parameter. The export units start first, in this order (the
+# longest first, as estimated: tiny_q's carries test_multidevice's own exports), then the modules with
+# slow tests, then the rest. A test that uses one of these
+# fixtures from a module not listed under it fails the collection (see _check_groups).
+EXPORT_GROUPS: dict[str, tuple[str, ...]] = {
+    "embedded_bf16_export": ("test_embedded.py", "test_serve.py", "test_batch_invariance.py[embedded]"),
+    "tiny_q_export": ("test_multidevice.py", "test_fnuz_export.py", "test_weights.py", "test_cli.py"),
+    "tiny_fp32_export": ("test_export_model.py", "test_engine_tiny.py", "test_bench.py", "test_inspect.py",
+                         "test_batch_invariance.py[tiny]"),
+}
+SHARED_EXPORTS = tuple(EXPORT_GROUPS)
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit of a test, from its nodeid alone (the xdist controller sees no more): the name
+    of the shared export its module reads (EXPORT_GROUPS), else its module's path."""
+    path = nodeid.split("::", 1)[0]
+    module = path.rsplit("/", 1)[-1]
+    name = nodeid.rsplit("::", 1)[-1]
+    params = name[name.index("[") + 1:-1].split("-") if "::" in nodeid and name.endswith("]") and "[" in name else []
+    for export, members in EXPORT_GROUPS.items():
+        for member in members:
+            mod, _, param = member.partition("[")
+            if mod == module and (not param or param[:-1] in params):
+                return export
+    return path
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (xdist's `--dist load`, or `loadgroup`): the tests in work_unit's units. xdist 3.8's own
+    groups (xdist_group, --dist loadgroup) do not hold under pytest 9.2: the '@group' it appends to an
+    item's `_nodeid` is not the nodeid pytest 9 reports (it reads `_id`), so each test would be a unit
+    of its own, and two workers would set up a module's fixtures (one waiting on the other's export).
+    --dist loadscope, loadfile, worksteal and each stay xdist's."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ExportGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+        def schedule(self) -> None:
+            # the units in the workers' collection order (_order_for_workers), not by test count
+            reorder = self.config.option.loadscopereorder
+            self.config.option.loadscopereorder = False
+            try:
+                super().schedule()
+            finally:
+                self.config.option.loadscopereorder = reorder
+
+    return ExportGroupScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _mark_slow(items)
+    _check_groups(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect (their config says dist "no")
         _order_for_workers(items)
 
 
-def _order_for_workers(items: list[pytest.Item]) -> None:
-    """The order the workers take the tests in: the tests that read a shared export first (each
-    export's together), then the modules with slow tests, then the rest. pytest-xdist 3.8's groups
-    (xdist_group, --dist loadgroup) do not hold under pytest 9.2: the '@group' xdist appends to an
-    item's `_nodeid` is not the nodeid pytest 9 reports (it reads `_id`), so every test is scheduled on
-    its own; a worker that needs an export another one is building waits on cached_export's lock."""
-    def rank(item: pytest.Item) -> tuple[int, str]:
-        for r, name in enumerate(SHARED_EXPORTS):
-            if name in item.fixturenames:
-                return r, name
-        return len(SHARED_EXPORTS) + (0 if item.get_closest_marker("slow") else 1), item.path.name
-
-    ranked = {item.nodeid: rank(item) for item in items}
-    first: dict[tuple[int, str], int] = {}
+def _check_groups(items: list[pytest.Item]) -> None:
+    """EXPORT_GROUPS lists every module that uses a shared export fixture (a module missing there
+    would build the export on a second worker, or wait for it); xdist_group marks would not hold."""
     for item in items:
-        first.setdefault(ranked[item.nodeid], len(first))
-    items.sort(key=lambda item: (ranked[item.nodeid][0], first[ranked[item.nodeid]]))
+        if item.get_closest_marker("xdist_group"):
+            raise pytest.UsageError(f"{item.nodeid}: xdist_group does not hold under pytest 9 (see "
+                                    "tests/conftest.py's pytest_xdist_make_scheduler): use EXPORT_GROUPS")
+        used = [name for name in EXPORT_GROUPS if name in item.fixturenames]
+        if used and work_unit(item.nodeid) not in used:
+            raise pytest.UsageError(f"{item.nodeid} uses {used[0]}: list {item.path.name} in "
+                                    f"EXPORT_GROUPS[{used[0]!r}] (tests/conftest.py)")
+
+
+def _order_for_workers(items: list[pytest.Item]) -> None:
+    """The order the workers collect the tests in, which is the order the scheduler hands out their
+    units: the export units (EXPORT_GROUPS' order), then the modules with slow tests, then the rest,
+    each unit's tests together in collection order."""
+    group = {item.nodeid: work_unit(item.nodeid) for item in items}
+    slow = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}
+    for item in items:
+        first.setdefault(group[item.nodeid], len(first))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        g = group[item.nodeid]
+        r = SHARED_EXPORTS.index(g) if g in EXPORT_GROUPS else len(SHARED_EXPORTS) + (g not in slow)
+        return r, first[g]
+
+    items.sort(key=rank)
 
 
 def _mark_slow(items: list[pytest.Item]) -> None:
