@@ -18,6 +18,9 @@ Every one runs as ``python -m dsv4.bench.NAME --help``:
   (torch-free).
 - ``device_sampling``: decode ms/step of sampled requests, sampling on the device (sample_bs{N})
   against sampling on the host.
+- ``speculative_speed``: MTP speculation against plain greedy through the Engine at batch 1 and 8:
+  tokens/s, drafts accepted, decode (verify) calls; ``verify_cost``: one verify call's time against one
+  decode call's on the same export.
 - ``moe_bytes``: bytes of routed-expert weights one decode step reads, from the traced graph's shapes
   (no weights needed).
 - ``weights_memory``: peak memory of writing weights at real dimensions (run under /usr/bin/time -v).
