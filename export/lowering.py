@@ -60,7 +60,7 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "radix_threshold": Rule("kernel"),
-    "topk": Rule("radix"),  # exact radix select: dodges an IREE miscompile of the reference's lowering
+    "topk": Rule("select"),  # exact rank/radix select: dodges an IREE miscompile of the reference's lowering
     "indexer_scores": Rule("kernel"),
     "fp8_qdq": Rule("kernel"),
     "fp4_qdq": Rule("kernel"),

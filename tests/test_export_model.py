@@ -12,7 +12,7 @@ index inside the compiled graph must be identical.
 
 Ties: the indexer's scores are sums of relu terms, so exact ties (often at 0.0) are common in the
 tiny model. The model's top-k breaks ties by the lowest index, eager (stable sort) and exported
-(radix select) alike (model/kernels/topk.py), so the comparisons run plain eager; the top-k test
+(rank or radix select) alike (model/kernels/topk.py), so the comparisons run plain eager; the top-k test
 also checks the compiled indices against torch.topk up to exact ties.
 """
 
@@ -123,7 +123,7 @@ def test_config_abi(art):
     for t in c["targets"].values():
         assert (art["dir"] / t["vmfb"]).is_file() and t["compile_s"] > 0 and t["flags"]
         # every hot spot's lowering is on record; both targets share one: the sparse attention kernel
-        assert t["kernels"]["sparse_attention"] == "kernel" and t["kernels"]["topk"] == "radix"
+        assert t["kernels"]["sparse_attention"] == "kernel" and t["kernels"]["topk"] == "select"
     code = art["module"]("export_id")
     assert bytes(np.asarray(code, dtype=np.uint8)).decode() == c["export_id"]
     assert ModelConfig.from_dict(c["model"]) == tiny_cfg()

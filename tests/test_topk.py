@@ -33,7 +33,7 @@ import torch
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import compile_mlir, vmfb_executables
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
-from dsv4.model.kernels.topk import record_topk, topk, topk_radix
+from dsv4.model.kernels.topk import RANK_MAX_N, record_topk, topk, topk_radix, topk_rank, topk_select
 
 ensure_runtime_flags()
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +56,15 @@ def tied(shape, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape,k", [((3, 50), 7), ((2, 3, 300), 300), ((4, 256), 6), ((1, 2, 700), 512), ((5, 9), 1)])
-def test_reference_and_radix_follow_the_tie_rule(shape, k):
+def test_reference_radix_and_rank_follow_the_tie_rule(shape, k):
     x = tied(shape, sum(shape) + k)
     x[..., -40:] = float("-inf")  # masked tails: rows with fewer than k finite entries when k is large
     want = brute_topk(x, k)
     assert torch.equal(topk(x, k), want)
     assert torch.equal(topk_radix(x, k), want)
+    assert torch.equal(topk_select(x, k), want)
+    if shape[-1] <= RANK_MAX_N:
+        assert torch.equal(topk_rank(x, k), want)
     # and they are a top-k: the same values as torch.topk
     assert torch.equal(x.gather(-1, want), x.topk(k).values)
 
@@ -87,6 +90,14 @@ def test_radix_extreme_values():
     assert torch.equal(topk_radix(x.bfloat16(), 4), brute_topk(x.bfloat16().float(), 4))
     with pytest.raises(ValueError, match="larger than"):
         topk_radix(x, 11)
+    for k in range(1, 11):
+        assert torch.equal(topk_rank(x, k), brute_topk(x, k)), k
+    y = ulp_negatives(3, 200, 1)
+    assert torch.equal(topk_rank(y, 9), brute_topk(y, 9))
+    with pytest.raises(ValueError, match="larger than"):
+        topk_rank(x, 11)
+    with pytest.raises(ValueError, match="static entry count"):
+        topk_rank(torch.zeros(2, RANK_MAX_N + 1), 3)
 
 
 def test_radix_graph_does_not_grow_with_k():
@@ -143,7 +154,7 @@ def test_shared_memory_screen_flags_a_race():
 
 @pytest.mark.slow  # compiles for three targets (about a minute on 2 cores)
 def test_radix_compiled_alone(tmp_path):
-    """k = 512 over up to 4k entries and the router's 6 of 256, dynamic rows and entries, llvm-cpu run
+    """k = 512 over up to 4k entries and the router's 6 of 256 (radix and rank), dynamic rows and entries, llvm-cpu run
     against the tie rule (with ties, -inf tails and ulp-spaced negatives), with the bisection traced and
     as its kernel, and with static shapes ("fs": the prefix counts as triangular GEMMs, 4 chunks of
     256 entries, as decode traces them); the same module compiles for gfx942 and cuda, and no cuda
@@ -152,7 +163,7 @@ def test_radix_compiled_alone(tmp_path):
 
     class M(torch.nn.Module):
         def forward(self, x, y):
-            return topk_radix(x, 512), topk_radix(y, 6)
+            return topk_radix(x, 512), topk_radix(y, 6), topk_rank(y, 6)
 
     from dsv4.export.kernel_op import use_kernels
 
@@ -179,9 +190,10 @@ def test_radix_compiled_alone(tmp_path):
         x[-1] = ulp_negatives(1, n, n)[0]  # the 512th largest lies among near-equal negatives
         y[-1] = ulp_negatives(1, 256, rows)[0]
         for fn in ("f", "fk", "fs") if (rows, n) == (64, 1024) else ("f", "fk"):
-            a, b = m(fn, x.numpy(), y.numpy())
+            a, b, c = m(fn, x.numpy(), y.numpy())
             assert np.array_equal(a, brute_topk(x, 512).numpy()), (fn, rows, n)
             assert np.array_equal(b, brute_topk(y, 6).numpy()), (fn, rows, n)
+            assert np.array_equal(c, brute_topk(y, 6).numpy()), ("rank", fn, rows, n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ the lowest-index -inf entries (callers that mask decide validity by position, se
 torch.topk itself breaks ties in an unspecified order, which is why the reference is a stable sort
 (eager only: IREE 3.13 does not lower aten.sort.stable).
 
-Export uses ``topk_radix`` (implementation "radix"): IREE 3.13 returns wrong top-k *indices* when a
+Export uses ``topk_select`` (implementation "select"): IREE 3.13 returns wrong top-k *indices* when a
 topk/sort follows other work on a dynamic token dim (docs/export.md, IREE 3.13 traps), and
 ``iree_linalg_ext.topk`` at k = 512 fails on cuda (128 KiB of shared memory) and runs ~25x slower on
-llvm-cpu (docs/kernels.md). The radix select uses only elementwise ops, reductions, prefix counts as
-GEMMs and a flat index_put, so its graph size does not depend on k.
+llvm-cpu (docs/kernels.md). ``topk_select`` ranks all pairs (``topk_rank``: 5 dispatches) where the
+entries are a static N <= RANK_MAX_N (the MoE gate's 256 experts) and runs the radix select
+(``topk_radix``: ~17 dispatches, whatever k) otherwise (the indexer's compressed entries, which grow
+with the context). Both use only elementwise ops, reductions, prefix counts as GEMMs and a flat
+index_put, so neither graph grows with k.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 
 from . import kernel
 
-__all__ = ["topk_indices", "topk", "topk_radix", "radix_threshold", "record_topk"]
+__all__ = ["topk_indices", "topk", "topk_select", "topk_rank", "topk_radix", "radix_threshold", "record_topk",
+           "RANK_MAX_N"]
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +39,16 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     # ~bits (== -bits - 1). Not `-bits`: torch-mlir lowers an integer neg through float32
     # (sitofp, negf, fptosi), which merges negative floats up to ~128 ulp apart.
     return torch.where(bits < 0, torch.bitwise_not(bits), bits + 2**31)
+
+
+def _order_key32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order under a signed compare (-0.0 and +0.0 one key; +NaN on
+    top, -NaN at the bottom). Negative floats: ~bits - 2^31 = -(magnitude bits) - 1, so a larger
+    magnitude gives a smaller key. int32, not _order_key's int64: IREE 3.13's gfx942 codegen of the
+    [N, N] i64 compare-and-count did not finish in 2 minutes (the int32 one: 1 s)."""
+    x = torch.where(x == 0, torch.zeros((), dtype=x.dtype, device=x.device), x)
+    bits = x.view(torch.int32)
+    return torch.where(bits < 0, torch.bitwise_not(bits) - 2**31, bits)
 
 
 RADIX_BITS = 4  # bits of the order key per radix_threshold round (divides 32)
@@ -136,8 +150,42 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     return out.long().view(*lead, k)
 
 
+RANK_MAX_N = 256  # topk_select ranks all pairs up to this many entries (N^2 compares per row)
+
+
+def topk_rank(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k (the contract above) by ranking all pairs, for a static N <= RANK_MAX_N.
+
+    rank_i = #{j: key_j > key_i} + #{j < i: key_j == key_i} is entry i's place in the stable
+    descending order (a permutation of 0..N-1); out[r] = the i whose rank is r. Two reductions, over
+    [R, N, N] and [R, k, N] compares (65k and 1.5k a row for the gate's 6 of 256), where the radix
+    select takes 8 count-and-update rounds and its compaction. Counts and indices are float32 (exact
+    below 2^24): the GPU backends fail on int64 reductions."""
+    n = x.shape[-1]
+    if not isinstance(n, int) or n > RANK_MAX_N:
+        raise ValueError(f"topk_rank: needs a static entry count <= {RANK_MAX_N}, got {n}")
+    if k > n:
+        raise ValueError(f"top-k: k={k} is larger than the {n} entries")
+    lead = x.shape[:-1]
+    key = _order_key32(x.float().reshape(-1, n))
+    i = torch.arange(n, dtype=torch.float32, device=x.device)
+    above = torch.logical_or(key[:, None, :] > key[:, :, None],
+                             torch.logical_and(key[:, None, :] == key[:, :, None], i[None, None, :] < i[None, :, None]))
+    rank = above.float().sum(-1)  # [R, N]
+    hit = rank[:, None, :] == torch.arange(k, dtype=torch.float32, device=x.device)[None, :, None]  # [R, k, N]
+    # a select, not hit * i: IREE treats a multiply-sum as a contraction and materializes hit
+    out = torch.where(hit, i[None, None, :], 0.0).sum(-1)
+    return out.long().view(*lead, k)
+
+
+def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The export's top-k: ``topk_rank`` for a static N <= RANK_MAX_N, else ``topk_radix``."""
+    n = x.shape[-1]
+    return topk_rank(x, k) if isinstance(n, int) and n <= RANK_MAX_N else topk_radix(x, k)
+
+
 @kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
-        result_dtypes={"indices": torch.int64}, alternatives={"radix": topk_radix})
+        result_dtypes={"indices": torch.int64}, alternatives={"radix": topk_radix, "select": topk_select})
 def topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] (int64) of the k largest entries along the last dim, largest first, ties by index."""
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
