@@ -1,6 +1,8 @@
-"""The compiled MTP speculative entry points (mtp_prefill_bs1, verify_bs3_k2) against the eager
-reference (model/speculative.py), and the torch-free loop (runtime/speculative.py) against plain
-greedy decoding. One small llvm-cpu export of the tiny preset in fp32 (slow: it compiles)."""
+"""The compiled MTP speculative entry points (mtp_prefill_bs1, verify_bs1_k2, verify_bs3_k2) against the
+eager reference (model/speculative.py), greedy and sampled; verify's batch invariance (a row's results
+bitwise the same alone and beside other rows); and the torch-free loop (runtime/speculative.py)
+against plain greedy decoding. One small llvm-cpu export of the tiny preset in fp32, made with
+--batch-invariant (slow: it compiles)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ ensure_runtime_flags()
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 K = 2
-SPEC_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(3,), n_slots=3, max_chunk=32,
-                 score=False, draft_tokens=K)
+SPEC_ARGS = dict(targets=("llvm-cpu",), batch_sizes=(1,), decode_batch_sizes=(1, 3), n_slots=3, max_chunk=32,
+                 score=False, draft_tokens=K, batch_invariant=True)
 ATOL = RTOL = 2e-4
 
 
@@ -54,6 +56,35 @@ def _t(*a) -> list[torch.Tensor]:
     return [torch.as_tensor(np.asarray(x), dtype=torch.int64) for x in a]
 
 
+def _sampling(n: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, keys=None) -> tuple:
+    """The speculative entry points' sampling inputs (numpy): greedy by default."""
+    return (np.full(n, temperature, np.float32), np.full(n, top_k, np.int64), np.full(n, top_p, np.float32),
+            np.zeros(n, np.int64) if keys is None else np.asarray(keys, np.int64))
+
+
+def _torch(sampling: tuple) -> tuple:
+    return tuple(torch.from_numpy(np.array(a)) for a in sampling)
+
+
+def _prefill(mod, cfg, prompts) -> tuple[list, list, list, list]:
+    """mtp_prefill_bs1 of prompt r into slot r of fresh device state (greedy): (state, chosen tokens,
+    positions, drafts)."""
+    dev = [mod.zeros(s) for s in cfg.state]
+    nxt, pos, dr = [], [], []
+    for r, p in enumerate(prompts):
+        for s in range(0, len(p), 32):
+            piece = p[s:s + 32]
+            toks = np.zeros((1, max(len(piece), 16)), np.int64)
+            toks[0, :len(piece)] = piece
+            follow = int(p[s + 32]) if s + 32 < len(p) else -1
+            args = [np.asarray(a, np.int64) for a in (toks, [s], [len(piece)], [r], [follow])]
+            _, am, d = mod("mtp_prefill_bs1", *args, *_sampling(1), *dev)
+        nxt.append(int(am[0]))
+        pos.append(len(p))
+        dr.append(np.asarray(d[0]).copy())
+    return dev, nxt, pos, dr
+
+
 def _check_state(dev, st) -> None:
     for (name, ref), d in zip(st.items(), dev):
         host, ref = d.to_host(), ref.numpy()
@@ -65,9 +96,13 @@ def _check_state(dev, st) -> None:
 def test_config_records_the_speculative_entry_points(art):
     mod, cfg = art
     assert cfg.speculative == {"method": "mtp", "draft_tokens": K, "prefill_batch_sizes": [1],
-                               "verify_batch_sizes": [3]}
+                               "verify_batch_sizes": [1, 3]}
     assert {"mtp_prefill_bs1", "verify_bs3_k2"} <= set(mod.function_names)
-    assert cfg.functions["mtp_prefill_bs1"]["args"][:5] == ["tokens", "start_pos", "lengths", "slots", "next_tokens"]
+    assert cfg.speculative["verify_batch_sizes"] == [1, 3] and "verify_bs1_k2" in mod.function_names
+    assert cfg.functions["mtp_prefill_bs1"]["args"][:9] == ["tokens", "start_pos", "lengths", "slots", "next_tokens",
+                                                            "temperature", "top_k", "top_p", "key"]
+    assert cfg.functions["verify_bs3_k2"]["args"][:8] == ["tokens", "start_pos", "lengths", "slots",
+                                                          "temperature", "top_k", "top_p", "key"]
 
 
 def test_compiled_draft_and_verify_match_eager(art):
@@ -88,7 +123,7 @@ def test_compiled_draft_and_verify_match_eager(art):
             toks[0, :len(piece)] = piece
             follow = int(p[s + 32]) if s + 32 < len(p) else -1
             args = (toks, [s], [len(piece)], [r], [follow])
-            lg, am, d = mod("mtp_prefill_bs1", *[np.asarray(a, np.int64) for a in args], *dev)
+            lg, am, d = mod("mtp_prefill_bs1", *[np.asarray(a, np.int64) for a in args], *_sampling(1), *dev)
             with torch.no_grad():
                 t, st_, ln, sl, nx = _t(*args)
                 lg_e, am_e, d_e = mtp_prefill(model, t, st_, ln, sl, st, nx, K)
@@ -110,7 +145,7 @@ def test_compiled_draft_and_verify_match_eager(art):
                                          torch.tensor([1 + K]), torch.tensor([r]), probe)
                 toks[r, 1 + i] = int(ch[0, i]) if i < want[r] else (int(ch[0, i]) + 1) % 512
         args = (toks, pos, [1 + K] * 3, [0, 1, 2])
-        lg, ch, acc, d = mod("verify_bs3_k2", *[np.asarray(a, np.int64) for a in args], *dev)
+        lg, ch, acc, d = mod("verify_bs3_k2", *[np.asarray(a, np.int64) for a in args], *_sampling(3), *dev)
         with torch.no_grad():
             lg_e, ch_e, acc_e, d_e = verify(model, *_t(*args), st)
         assert acc_e.tolist() == want and acc.tolist() == want
@@ -119,6 +154,81 @@ def test_compiled_draft_and_verify_match_eager(art):
         _check_state(dev, st)
         for r in range(3):
             nxt[r], pos[r] = int(ch[r, want[r]]), pos[r] + want[r] + 1
+
+
+def test_compiled_sampled_prefill_and_verify_match_eager(art):
+    """The sampled token after each prompt (mtp_prefill_bs1 at temperature 0.9), then sampled rows (temperature 0.8 and 1.2 with top-k 20 / top-p 0.9, one greedy row) in verify_bs3_k2:
+    the compiled call applies the speculative-sampling rule as the eager reference does with the same
+    keys (chosen tokens, accepted counts, drafts, state), over steps that feed back its own output."""
+    mod, cfg = art
+    model = _model()
+    st = new_state(model.cfg, 3, torch.float32)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 512, n) for n in (17, 30, 45)]
+    dev = [mod.zeros(s) for s in cfg.state]
+    nxt, pos, dr = [], [], []
+    for r, p in enumerate(prompts):  # the chunk that ends a prompt samples its token (temperature 0.9)
+        for s in range(0, len(p), 32):
+            piece = p[s:s + 32]
+            toks = np.zeros((1, max(len(piece), 16)), np.int64)
+            toks[0, :len(piece)] = piece
+            follow = int(p[s + 32]) if s + 32 < len(p) else -1
+            samp = _sampling(1, 0.9 if follow < 0 else 0.0, keys=rng.integers(0, 2**32, 1))
+            args = [np.asarray(a, np.int64) for a in (toks, [s], [len(piece)], [r], [follow])]
+            lg, am, d = mod("mtp_prefill_bs1", *args, *samp, *dev)
+            with torch.no_grad():
+                lg_e, am_e, d_e = mtp_prefill(model, *_t(*args[:4]), st, *_t(args[4]), K, _torch(samp))
+            np.testing.assert_allclose(lg, lg_e.numpy(), atol=ATOL, rtol=RTOL)
+            assert am.tolist() == am_e.tolist() and d.tolist() == d_e.tolist()
+        nxt.append(int(am[0]))
+        pos.append(len(p))
+        dr.append(np.asarray(d[0]).copy())
+    _check_state(dev, st)
+    for step in range(5):
+        toks = np.array([[nxt[r], *dr[r]] for r in range(3)], np.int64)
+        samp = (np.array([0.8, 1.2, 0.0], np.float32), np.array([20, 0, 0], np.int64),
+                np.array([1.0, 0.9, 1.0], np.float32), rng.integers(0, 2**32, 3))
+        args = [np.asarray(a, np.int64) for a in (toks, pos, [1 + K] * 3, [0, 1, 2])]
+        lg, ch, acc, d = mod("verify_bs3_k2", *args, *samp, *dev)
+        with torch.no_grad():
+            lg_e, ch_e, acc_e, d_e = verify(model, *_t(*args), st, sampling=_torch(samp))
+        np.testing.assert_allclose(lg, lg_e.numpy(), atol=ATOL, rtol=RTOL)
+        assert ch.tolist() == ch_e.tolist() and acc.tolist() == acc_e.tolist() and d.tolist() == d_e.tolist()
+        _check_state(dev, st)
+        for r in range(3):
+            a = int(acc[r])
+            nxt[r], pos[r], dr[r] = int(ch[r, a]), pos[r] + a + 1, np.asarray(d[r]).copy()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_verify_is_batch_invariant(art, temperature):
+    """A row's verify results are bitwise the same verified alone (verify_bs1_k2) and beside two other
+    rows (verify_bs3_k2), from the same state, for two steps (the second after different accepted
+    counts): logits, chosen tokens, accepted count and drafts (sampled rows with the same keys)."""
+    mod, cfg = art
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 512, n) for n in (19, 33, 26)]
+    dev_b, nxt_b, pos_b, dr_b = _prefill(mod, cfg, prompts)
+    dev_a, nxt_a, pos_a, dr_a = _prefill(mod, cfg, prompts)
+    assert nxt_a == nxt_b and pos_a == pos_b
+    for step in range(2):
+        keys = rng.integers(0, 2**32, 3)
+        toks = np.array([[nxt_b[r], *dr_b[r]] for r in range(3)], np.int64)
+        args = [np.asarray(a, np.int64) for a in (toks, pos_b, [1 + K] * 3, [0, 1, 2])]
+        batched = [np.asarray(x).copy() for x in mod("verify_bs3_k2", *args, *_sampling(3, temperature, keys=keys),
+                                                     *dev_b)]
+        for r in range(3):
+            one = [np.asarray(a, np.int64) for a in ([[nxt_a[r], *dr_a[r]]], [pos_a[r]], [1 + K], [r])]
+            alone = mod("verify_bs1_k2", *one, *_sampling(1, temperature, keys=keys[r:r + 1]), *dev_a)
+            for name, x, y in zip(("logits", "chosen", "accepted", "drafts"), alone, batched):
+                assert np.array_equal(np.asarray(x)[0], y[r]), f"row {r} step {step}: {name} differs"
+            a = int(np.asarray(alone[2])[0])
+            nxt_a[r], pos_a[r], dr_a[r] = int(np.asarray(alone[1])[0, a]), pos_a[r] + a + 1, np.asarray(alone[3])[0].copy()
+        for r in range(3):
+            a = int(batched[2][r])
+            nxt_b[r], pos_b[r], dr_b[r] = int(batched[1][r, a]), pos_b[r] + a + 1, batched[3][r].copy()
+    for name, x, y in zip([s.name for s in cfg.state], dev_a, dev_b):
+        assert np.array_equal(x.to_host(), y.to_host()), f"state {name} differs"
 
 
 def test_runtime_loop_gives_plain_greedy_tokens(art):
