@@ -48,7 +48,12 @@ def measure(export_dir: str, device: str, batch_sizes: Sequence[int], context: i
                 tokens = rng.integers(2, vocab, size=(n, width), dtype=np.int64)
                 start = np.full(n, context + i * width, np.int64)
                 t0 = time.perf_counter()
-                out = eng.invoke(name, tokens, start, lengths, slots)
+                if name.startswith("verify"):  # greedy rows: temperature 0, top_k 0, top_p 1, key 0
+                    greedy = (np.zeros(n, np.float32), np.zeros(n, np.int64), np.ones(n, np.float32),
+                              np.zeros(n, np.int64))
+                    out = eng.module.function(name)(tokens, start, lengths, slots, *greedy, *eng.state)
+                else:
+                    out = eng.invoke(name, tokens, start, lengths, slots)
                 np.asarray(out[1].to_host())  # the chosen / argmax tokens: the step's end
                 if i >= warmup:
                     samples.append(time.perf_counter() - t0)

@@ -175,8 +175,10 @@ def _add_generate(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.add_argument("--speculative", choices=["mtp"], default=None,
                    help="speculative decoding: the model's MTP block drafts, one verify call per step checks "
-                        "the drafts (greedy only; the same tokens as without; needs an export made with "
-                        "--draft-tokens K). --json then reports drafted, accepted and acceptance_rate")
+                        "the drafts (greedy: the same tokens as without; with --temperature: the speculative-"
+                        "sampling rule on the device, each token distributed as plain sampling's, other draws "
+                        "for a seed; needs an export made with --draft-tokens K). --json then reports drafted, "
+                        "accepted and acceptance_rate")
     g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                    help="with --speculative: drafts per step; must equal the export's --draft-tokens "
                         "(default: the export's)")

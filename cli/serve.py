@@ -85,8 +85,9 @@ def add_parser(subparsers: Any, name: str = "serve") -> argparse.ArgumentParser:
                         "context position)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSV4_API_KEY)")
     s.add_argument("--speculative", choices=["mtp"], default=None,
-                   help="greedy requests (temperature 0, no logprobs) decode with the export's MTP drafts: the "
-                        "same tokens, fewer decode calls; needs an export made with --draft-tokens K; /metrics "
+                   help="requests without logprobs decode with the export's MTP drafts: greedy ones the same "
+                        "tokens, sampled ones by the speculative-sampling rule (each token distributed as plain "
+                        "sampling's), fewer decode calls; needs an export made with --draft-tokens K; /metrics "
                         "counts vllm:spec_decode_num_draft_tokens and _accepted_tokens")
     s.add_argument("--served-model-name", help="the model id clients send (default: the export directory's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,

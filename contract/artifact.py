@@ -15,10 +15,11 @@ logits are not all finite);
 i64[N] (one-device exports: the token choice on the device); ``export_id()`` -> the bytes of config.json's ``export_id``.
 With MTP speculative decoding (``dsv4 export --draft-tokens K``; config.json ``speculative``:
 {"method": "mtp", "draft_tokens": K, "prefill_batch_sizes", "verify_batch_sizes"}):
-``mtp_prefill_bs{N}(tokens[N,T], start_pos, lengths, slots, next_tokens[N], *state)`` -> (logits
-f32[N,V], argmax i64[N], drafts i64[N,K]) and ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths,
-slots, *state)`` -> (logits f32[N,1+K,V], chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])
-(model/speculative.py; docs/runtime.md, Speculative decoding).
+``mtp_prefill_bs{N}(tokens[N,T], start_pos, lengths, slots, next_tokens[N], temperature f32[N],
+top_k[N], top_p f32[N], key[N], *state)`` -> (logits f32[N,V], argmax i64[N] (the chosen token: argmax,
+or sampled where temperature > 0), drafts i64[N,K]) and ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos,
+lengths, slots, temperature, top_k, top_p, key, *state)`` -> (logits f32[N,1+K,V], chosen i64[N,1+K],
+accepted i64[N], drafts i64[N,K]) (model/speculative.py; docs/runtime.md, Speculative decoding).
 
 Weights (fields of config.json; `contract/weights.py` reads and writes the files)::
 
@@ -78,7 +79,7 @@ from .errors import ArtifactError, EngineError
 
 __all__ = [
     "FORMAT", "VERSION", "PARAM_SCOPE", "PARAM_PREFIX", "TARGET_DRIVERS", "DEVICE_TARGETS", "DTYPES",
-    "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "MTP_PREFILL_ARGS", "mtp_prefill_name", "verify_name",
+    "FP8_DTYPES", "ENTRY_RESULTS", "SAMPLE_ARGS", "MTP_PREFILL_ARGS", "VERIFY_ARGS", "SPEC_SAMPLING_ARGS", "mtp_prefill_name", "verify_name",
     "speculative_functions", "StateSpec", "TensorSpec", "WeightGroup", "ExportConfig", "with_fp8", "target_for_device", "function_abi", "build_config", "write_config",
     "new_export_id", "is_export_dir", "check_out_dir", "staged_export", "check_vmfb",
     "shard_names", "SHARD_SPLITS", "shard_key", "shard_tensors", "shard_inventory", "whole_key", "whole_inventory",
@@ -115,7 +116,12 @@ _DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "fp32"
                   "float": "float32", "half": "float16", "fp8": "float8_e4m3fn"}
 
 STEP_ARGS = ("tokens", "start_pos", "lengths", "slots")
-MTP_PREFILL_ARGS = (*STEP_ARGS, "next_tokens")  # next_tokens: the token after the chunk, -1 if it ends the prompt
+# the speculative entry points sample on the device (the sampled acceptance rule decides the state
+# commit inside the call): per row temperature (0: greedy), top_k, top_p and a 32-bit key
+SPEC_SAMPLING_ARGS = ("temperature", "top_k", "top_p", "key")
+# next_tokens: the token after the chunk, -1 if it ends the prompt
+MTP_PREFILL_ARGS = (*STEP_ARGS, "next_tokens", *SPEC_SAMPLING_ARGS)
+VERIFY_ARGS = (*STEP_ARGS, *SPEC_SAMPLING_ARGS)
 SAMPLE_ARGS = ("logits", "temperature", "top_k", "top_p", "key")  # sample_bs{N}: model/device_sampling.py
 ENTRY_RESULTS = {"prefill": ["logits", "argmax"], "decode": ["logits", "argmax"], "score": ["logprobs"],
                  "mtp_prefill": ["logits", "argmax", "drafts"], "verify": ["logits", "chosen", "accepted", "drafts"]}
@@ -150,7 +156,7 @@ def target_for_device(device: str) -> str:
 
 def function_abi(kind: str, state_names: Sequence[str]) -> dict[str, list[str]]:
     """config.json's description of one entry point of `kind` (prefill, decode, score, mtp_prefill, verify)."""
-    args = MTP_PREFILL_ARGS if kind == "mtp_prefill" else STEP_ARGS
+    args = {"mtp_prefill": MTP_PREFILL_ARGS, "verify": VERIFY_ARGS}.get(kind, STEP_ARGS)
     return {"args": [*args, *state_names], "results": list(ENTRY_RESULTS[kind])}
 
 
@@ -567,9 +573,11 @@ class ExportConfig:
             args = f.get("args")
             if name.startswith("sample_bs"):
                 _need(args == list(SAMPLE_ARGS), p, f"functions.{name}: args must be {list(SAMPLE_ARGS)}")
-            elif name.startswith("mtp_prefill_bs"):
-                _need(args == [*MTP_PREFILL_ARGS, *(s.name for s in specs)], p,
-                      f"functions.{name}: args must be {list(MTP_PREFILL_ARGS)} + the state tensors")
+            elif name.startswith(("mtp_prefill_bs", "verify_bs")):
+                want_args = MTP_PREFILL_ARGS if name.startswith("mtp_prefill_bs") else VERIFY_ARGS
+                _need(args == [*want_args, *(s.name for s in specs)], p,
+                      f"functions.{name}: args must be {list(want_args)} + the state tensors (an export "
+                      "from before sampled speculation: re-export with --draft-tokens K)")
             elif args is not None:
                 _need(len(args) == len(STEP_ARGS) + len(specs), p,
                       f"functions.{name}: {len(args)} args, expected {len(STEP_ARGS)} + {len(specs)} state tensors")

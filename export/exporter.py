@@ -14,10 +14,11 @@ option, validated once), one module with these entry points (all integers int64)
   for every prefill and decode N of a one-device export: the token choice on the device
   (model/device_sampling.py), called on the logits the step left there (-1: non-finite logits);
 * with ``spec.draft_tokens = K`` (MTP speculative decoding, model/speculative.py):
-  ``mtp_prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], next_tokens[N], *state) ->
-  (logits f32[N,V], argmax i64[N], drafts i64[N,K])`` for every prefill N and
-  ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths, slots, *state) -> (logits f32[N,1+K,V],
-  chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])`` for every decode N;
+  ``mtp_prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], next_tokens[N], temperature f32[N],
+  top_k[N], top_p f32[N], key[N], *state) -> (logits f32[N,V], argmax i64[N], drafts i64[N,K])`` for
+  every prefill N and ``verify_bs{N}_k{K}(tokens[N,1+K], start_pos, lengths, slots, temperature, top_k,
+  top_p, key, *state) -> (logits f32[N,1+K,V], chosen i64[N,1+K], accepted i64[N], drafts i64[N,K])``
+  for every decode N (temperature 0: greedy; else the sampled acceptance rule, on the device);
 * ``export_id() -> i64[32]``: the bytes of config.json's ``export_id`` (a uuid hex string), so a
   runtime can tell that a vmfb belongs to another export.
 
@@ -147,18 +148,20 @@ class _Entry(nn.Module):
             logits = self.model(tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
         return (logits, *taps.values())
 
-    def mtp_prefill(self, tokens, start_pos, lengths, slots, next_tokens, state):
+    def mtp_prefill(self, tokens, start_pos, lengths, slots, next_tokens, temperature, top_k, top_p, key, state):
         """prefill + the MTP block over the chunk + n_draft drafts (model/speculative.py)."""
         from dsv4.model.speculative import mtp_prefill
 
         return mtp_prefill(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)), next_tokens,
-                           self.n_draft)
+                           self.n_draft, (temperature, top_k, top_p, key))
 
-    def verify(self, tokens, start_pos, lengths, slots, state):
-        """score 1 + K tokens per row, keep the accepted ones, draft again (model/speculative.py)."""
+    def verify(self, tokens, start_pos, lengths, slots, temperature, top_k, top_p, key, state):
+        """score 1 + K tokens per row, keep the accepted ones (greedy or the sampled rule), draft again
+        (model/speculative.py)."""
         from dsv4.model.speculative import verify
 
-        return verify(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)))
+        return verify(self.model, tokens, start_pos, lengths, slots, dict(zip(self.names, state)),
+                      sampling=(temperature, top_k, top_p, key))
 
     def score(self, tokens, start_pos, lengths, slots, state, h=None):
         logits = self._run(tokens, start_pos, lengths, slots, state, h, all_logits=True)
@@ -290,10 +293,19 @@ def _program(fn: Callable, streams: bool = False) -> Callable:
 
 
 def _program_next(fn: Callable) -> Callable:
-    """`_program` for mtp_prefill's signature (next_tokens after slots)."""
+    """`_program` for mtp_prefill's signature (next_tokens and the sampling inputs after slots)."""
 
-    def traced(m, tokens, start_pos, lengths, slots, next_tokens, state):
-        return fn(m, tokens, start_pos, lengths, slots, next_tokens, state)
+    def traced(m, tokens, start_pos, lengths, slots, next_tokens, temperature, top_k, top_p, key, state):
+        return fn(m, tokens, start_pos, lengths, slots, next_tokens, temperature, top_k, top_p, key, state)
+
+    return traced
+
+
+def _program_verify(fn: Callable) -> Callable:
+    """`_program` for verify's signature (the sampling inputs after slots)."""
+
+    def traced(m, tokens, start_pos, lengths, slots, temperature, top_k, top_p, key, state):
+        return fn(m, tokens, start_pos, lengths, slots, temperature, top_k, top_p, key, state)
 
     return traced
 
@@ -358,10 +370,15 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         from dsv4.contract.artifact import mtp_prefill_name, verify_name
 
         entry.n_draft = spec.draft_tokens
-        dyn_next = {**dyn, "next_tokens": None}
+
+        def sampling(n: int) -> tuple:  # temperature, top_k, top_p, key (the values do not matter to the trace)
+            return torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n), torch.zeros(n, dtype=i64)
+
+        dyn_next = {**dyn, "next_tokens": None, "temperature": None, "top_k": None, "top_p": None, "key": None}
         programs += [(mtp_prefill_name(n), _Entry.mtp_prefill, (*example(n, ex_T)[:4], torch.full((n,), -1, dtype=i64),
-                                                               state), dyn_next) for n in spec.batch_sizes]
-        programs += [(verify_name(n, spec.draft_tokens), _Entry.verify, example(n, 1 + spec.draft_tokens), None)
+                                                               *sampling(n), state), dyn_next) for n in spec.batch_sizes]
+        programs += [(verify_name(n, spec.draft_tokens), _Entry.verify,
+                      (*example(n, 1 + spec.draft_tokens)[:4], *sampling(n), state), None)
                      for n in spec.decode_batch_sizes]
     if probe:  # probe_module: the two probe entry points only
         programs = [(PROBE_PREFILL, _Entry.probe, example(1, ex_T), dyn),
@@ -381,7 +398,8 @@ def _trace_all(run: "_Run", fxb: Any, programs: list[tuple[str, Callable, tuple,
             t0 = time.perf_counter()
             try:
                 with _heartbeat(log, f"tracing {name}"):
-                    prog = _program_next(fn) if fn is _Entry.mtp_prefill else _program(fn, streams)
+                    prog = (_program_next(fn) if fn is _Entry.mtp_prefill else
+                            _program_verify(fn) if fn is _Entry.verify else _program(fn, streams))
                     _trace(fxb, name, prog, args, dshapes)
             except Exception as e:  # torch.export raises many types; report the stage and op
                 raise ExportError(f"trace:{name}", _short(e), _ops_of(e)) from e

@@ -35,7 +35,7 @@ import torch
 
 from .kernels.topk import _order_key
 
-__all__ = ["sample", "hash_uniform", "all_finite"]
+__all__ = ["sample", "kept", "gumbel", "hash_uniform", "all_finite", "first_argmax"]
 
 _M32 = 0xFFFFFFFF
 
@@ -134,11 +134,11 @@ def _threshold(key: torch.Tensor, weight: torch.Tensor, need: torch.Tensor, bits
     return t
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           key: torch.Tensor) -> torch.Tensor:
-    """ids [N] (int64): one token per row of logits [N, V] (the module docstring has the rules), -1
-    where a row holds NaN or inf.
-    temperature <= 0 is greedy; top_k <= 0 or >= V and top_p >= 1 switch those filters off."""
+def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filters of `sample` without the draw: (scaled logits x/T [N, V], kept tokens [N, V] bool,
+    sampled rows [N, 1] bool (temperature > 0)). The sampling distribution of a sampled row is
+    softmax(x/T) over its kept tokens (model/speculative.py reads it directly)."""
     x = logits.float()
     n, v = x.shape
     temp = temperature.float().reshape(n, 1)
@@ -155,7 +155,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     need = tp * _row_sum(p)
     pk = _order_key(p) - 2**31  # [0, 2^31) for p >= 0
     keep = torch.logical_and(keep, torch.logical_or(tp >= 1.0, pk >= _threshold(pk, p, need, 31)))
-    g = -torch.log(-torch.log(hash_uniform(key, v)))
+    return xs, keep, hot
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)) of uniforms u in (0, 1)."""
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           key: torch.Tensor) -> torch.Tensor:
+    """ids [N] (int64): one token per row of logits [N, V] (the module docstring has the rules), -1
+    where a row holds NaN or inf.
+    temperature <= 0 is greedy; top_k <= 0 or >= V and top_p >= 1 switch those filters off."""
+    x = logits.float()
+    xs, keep, hot = kept(x, temperature, top_k, top_p)
+    g = gumbel(hash_uniform(key, x.shape[1]))
     drawn = first_argmax(torch.where(keep, xs + g, float("-inf")))
     ids = torch.where(hot, drawn, first_argmax(x))
-    return torch.where(all_finite(x)[:, None], ids, -1).reshape(n)  # -1: non-finite logits
+    return torch.where(all_finite(x)[:, None], ids, -1).reshape(x.shape[0])  # -1: non-finite logits

@@ -23,11 +23,14 @@ tokens; one request per call of the smallest ``prefill_bs{N}`` in the default ba
 mode, several per padded call otherwise; each yields its first token), then runs one decode step
 for every request that was already running, several per ``decode_bs{N}`` call. Requests join
 and leave between steps (continuous batching). ``generate``/``generate_batch``/``stream`` are
-loops over ``step()``. A speculative request (``SamplingParams(speculative=True)``, greedy, on an
-export with ``--draft-tokens K``) runs every call through the MTP entry points instead: its prompt
+loops over ``step()``. A speculative request (``SamplingParams(speculative=True)``, greedy or sampled,
+on an export with ``--draft-tokens K``) runs every call through the MTP entry points instead: its prompt
 through ``mtp_prefill_bs{N}`` (which also yields K drafts), each step through ``verify_bs{N}_k{K}``
 (1 .. 1 + K tokens per step); it shares the slots and steps with plain requests, never their calls
-(the MTP window is kept only by those entry points; docs/runtime.md, Speculative decoding).
+(the MTP window is kept only by those entry points; docs/runtime.md, Speculative decoding). Those
+entry points choose the tokens themselves, on the device, sampled ones by the speculative-sampling
+rule (model/speculative.py): a verify call's state commit and next drafts depend on what it accepted,
+so the rule cannot wait for the host. A sampled request draws one 32-bit key per call from its seed.
 
 Not thread-safe: one thread drives an Engine.
 """
@@ -178,7 +181,8 @@ class Engine:
         ``device_sampling`` (default) lets the export's ``sample_bs{N}`` pick sampled requests' tokens
         on the device (model/device_sampling.py): only ids come back. False, or an export without
         those functions, samples on the host from the logits (runtime/sampling.py). The two draw
-        differently, so a seed gives other tokens on each path (each reproducible).
+        differently, so a seed gives other tokens on each path (each reproducible). Speculative
+        requests always choose on the device, inside mtp_prefill/verify (docs/runtime.md).
         Raises ArtifactError for a missing, corrupt or mismatched artifact and EngineError for an
         unknown or unavailable device.
         """
@@ -447,18 +451,31 @@ class Engine:
                                            None if ids is None else ids.get(k)))
         return events
 
-    def _prefill_speculative(self, reqs: list[_Request]) -> list[tuple[None, int, None]]:
+    def _spec_sampling(self, bs: int, rows: list[tuple[int, _Request]]) -> tuple[np.ndarray, ...]:
+        """The speculative entry points' sampling inputs for a call of batch size ``bs``: temperature
+        (0: greedy, also every row not in ``rows`` (row index, request)), top_k, top_p and a key drawn
+        from each sampled request's generator (greedy requests draw nothing)."""
+        temp, top_k = np.zeros(bs, np.float32), np.zeros(bs, np.int64)
+        top_p, key = np.ones(bs, np.float32), np.zeros(bs, np.int64)
+        for k, r in rows:
+            if not r.params.greedy:
+                temp[k], top_k[k], top_p[k] = r.params.temperature, r.params.top_k, r.params.top_p
+                key[k] = r.rng.integers(0, 2**32)
+        return temp, top_k, top_p, key
+
+    def _prefill_speculative(self, reqs: list[_Request]) -> list[tuple[None, int, int]]:
         """``_prefill`` through ``mtp_prefill_bs{N}``: the prompt's chunks also run the MTP block (each
         chunk is told the token after it, -1 after the prompt's last), so the request's MTP window is
-        kept and the call returns the first K drafts. Returns (None, argmax, None) per request (greedy
-        only) and leaves each request's drafts on it."""
+        kept and the call returns the first K drafts. Returns (None, token, token) per request: the
+        token the call chose after the prompt (greedy, or sampled on the device from the request's
+        key) and leaves each request's drafts on it."""
         cfg = self.config
         step = cfg.prefill_max_tokens
         sizes = list(cfg.speculative["prefill_batch_sizes"]) if reqs else []
         sizes = sizes[:1] if self.batch_invariant else sizes
-        out: list[tuple[None, int, None]] = []
+        out: list[tuple[None, int, int]] = []
         for group, bs, rows in self._groups(reqs, sizes):
-            last: list[tuple[None, int, None]] = [(None, -1, None)] * len(group)
+            last: list[tuple[None, int, int]] = [(None, -1, -1)] * len(group)
             for s in range(0, max(len(r.prompt) for r in group), step):
                 pieces = [r.prompt[s:s + step] for r in group]
                 T = max(max(len(p) for p in pieces), cfg.prefill_min_tokens)
@@ -468,25 +485,29 @@ class Engine:
                     tokens[k, :len(p)], sp[k], ln[k] = p, s, len(p)
                     if s + step < len(r.prompt):
                         nxt[k] = r.prompt[s + step]
+                ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
+                # a key only for the chunk that ends a prompt (the only one whose token is used)
+                sampling = self._spec_sampling(bs, [(k, group[k]) for k in ending])
                 name = mtp_prefill_name(bs)
-                _, argmax_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, nxt, *self.state)
+                _, argmax_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, nxt, *sampling, *self.state)
                 self.stats["prefill_calls"] += 1
                 self.stats["prefill_rows"] += sum(1 for p in pieces if p)
-                ending = [k for k, r in enumerate(group) if s < len(r.prompt) <= s + step]
                 if ending:
                     argmax = np.asarray(argmax_d.to_host()).reshape(-1)
                     self._check_finite(name, argmax, [(k, group[k]) for k in ending])
                     drafts = np.array(drafts_d.to_host(), dtype=np.int64, copy=True).reshape(bs, -1)
                     for k in ending:
                         group[k].drafts = drafts[k]
-                        last[k] = (None, int(argmax[k]), None)
+                        last[k] = (None, int(argmax[k]), int(argmax[k]))
             out.extend(last)
         return out
 
     def _verify(self, reqs: list[_Request]) -> list[StreamChunk]:
         """One speculative step for ``reqs``: ``verify_bs{N}_k{K}`` on [last token, K drafts] per row
         (fewer real tokens where max_new_tokens or the context ends first); each row takes its
-        accepted drafts and the model's own next token (1 .. 1 + K tokens), and its next drafts."""
+        accepted drafts and one token chosen by the call (1 .. 1 + K tokens), and its next drafts.
+        Greedy rows accept a draft equal to the argmax; sampled rows by the speculative-sampling rule
+        (model/speculative.py), so every token is distributed as plain sampling's."""
         k_d = self.draft_tokens
         events = []
         for group, bs, rows in self._groups(reqs, self.config.speculative["verify_batch_sizes"]):
@@ -497,7 +518,9 @@ class Engine:
                 tokens[k, 0], tokens[k, 1:] = r.tokens[-1], np.clip(r.drafts, 0, None)
                 sp[k] = r.pos
                 ln[k] = min(1 + k_d, r.params.max_new_tokens - len(r.tokens), self.config.max_seq_len - r.pos)
-            _, chosen_d, accepted_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, *self.state)
+            sampling = self._spec_sampling(bs, list(enumerate(group)))
+            _, chosen_d, accepted_d, drafts_d = self.module.function(name)(tokens, sp, ln, rows, *sampling,
+                                                                           *self.state)
             self.stats["verify_calls"] += 1
             self.stats["decode_calls"] += 1
             self.stats["decode_rows"] += len(group)
@@ -518,7 +541,7 @@ class Engine:
                 r.drafts = drafts[k]
                 for t in chosen[k, :a + 1]:
                     r.pos += 1
-                    events.append(self._accept(r, None, int(t)))
+                    events.append(self._accept(r, None, int(t), int(t)))
                     if r.finished:
                         break
         return events

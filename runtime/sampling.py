@@ -50,8 +50,9 @@ class SamplingParams:
     temperature 0 means greedy (argmax, no randomness). top_k 0 and top_p 1.0 disable those
     filters. seed None draws fresh OS entropy (recorded on the result so the run can be repeated).
     speculative: the MTP block drafts the export's K tokens per step and one verify call checks them
-    (docs/runtime.md, Speculative decoding); the tokens are plain greedy's. Greedy only for now (the
-    sampled acceptance rule is not exported), and without logprobs.
+    (docs/runtime.md, Speculative decoding): greedy requests get plain greedy's tokens, sampled ones
+    the speculative-sampling rule on the device (each token distributed as plain sampling's; the
+    device sampler's draws, so a seed gives other tokens than without speculation). Not with logprobs.
     stop strings end generation when they appear in the decoded continuation (the text is cut
     before them); stop_token_ids add to the export's eos ids unless ignore_eos.
     """
@@ -65,7 +66,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: each chunk carries its token's logprob and the top k
-    speculative: bool = False  # greedy speculative decoding with the export's MTP drafts (--draft-tokens K)
+    speculative: bool = False  # speculative decoding with the export's MTP drafts (--draft-tokens K)
 
     def __post_init__(self) -> None:
         # normalise list inputs so the dataclass stays hashable/frozen
@@ -89,11 +90,9 @@ class SamplingParams:
             raise SamplingParamsError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.speculative and not self.greedy:
-            raise SamplingParamsError(f"speculative decoding is greedy only (temperature 0 or top_k 1), got "
-                                      f"temperature {self.temperature!r}: the sampled acceptance rule is not exported yet")
         if self.speculative and self.logprobs is not None:
-            raise SamplingParamsError("logprobs are not reported with speculative decoding yet")
+            raise SamplingParamsError("logprobs are not reported with speculative decoding (the verify call "
+                                      "chooses the tokens on the device); drop logprobs or speculation")
 
     @property
     def greedy(self) -> bool:

@@ -1,11 +1,12 @@
-"""Greedy speculative decoding on a compiled export with MTP entry points (torch-free).
+"""Speculative decoding on a compiled export with MTP entry points (torch-free).
 
 The loop of model/generate.speculative_greedy on the module's ``mtp_prefill_bs{N}`` and
 ``verify_bs{N}_k{K}`` (contract/artifact.py; docs/runtime.md, Speculative decoding): each prompt is
 prefilled in chunks, the token after each chunk passed as ``next_tokens`` (-1 after the last);
 then every live row is verified in one call per step with [last token, its K drafts], and continues
 with the ``accepted + 1`` tokens chosen at its first positions. The module keeps the state exact, so
-the output is plain greedy's.
+the greedy output is plain greedy's; with a temperature the module applies the speculative-sampling
+rule (model/speculative.py), each row drawing one key per call from its own generator.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from dsv4.contract.artifact import ExportConfig, mtp_prefill_name, verify_name
 from dsv4.contract.errors import EngineError
 
-__all__ = ["speculative_greedy"]
+__all__ = ["speculative_greedy", "speculative_decode"]
 
 
 def _batch_size(sizes: Sequence[int], n: int) -> int:
@@ -28,9 +29,17 @@ def _batch_size(sizes: Sequence[int], n: int) -> int:
 
 def speculative_greedy(module: Any, config: ExportConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        stop_ids: Sequence[int] = ()) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy continuations of `prompts` (token ids) on `module` (an IreeModule of `config`'s export),
-    prompt r in slot r. Returns (tokens per prompt, {"drafted", "accepted", "verify_calls",
-    "prefill_calls"})."""
+    """Greedy continuations of `prompts`: `speculative_decode` at temperature 0."""
+    return speculative_decode(module, config, prompts, max_new_tokens, stop_ids)
+
+
+def speculative_decode(module: Any, config: ExportConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       stop_ids: Sequence[int] = (), temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int = 0) -> tuple[list[list[int]], dict[str, Any]]:
+    """Continuations of `prompts` (token ids) on `module` (an IreeModule of `config`'s export), prompt r
+    in slot r: greedy at temperature 0, else sampled (temperature, top_k, top_p as SamplingParams)
+    with prompt r's keys from numpy's Generator seeded [seed, r]. Returns (tokens per prompt,
+    {"drafted", "accepted", "verify_calls", "prefill_calls"})."""
     spec = config.speculative
     if spec is None:
         raise EngineError(f"{config.directory} has no speculative entry points (export with --draft-tokens K)")
@@ -45,8 +54,22 @@ def speculative_greedy(module: Any, config: ExportConfig, prompts: Sequence[Sequ
         if len(p) + max_new_tokens > config.max_seq_len:
             raise EngineError(f"prompt ({len(p)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                               f"{config.max_seq_len}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise EngineError(f"bad sampling settings: temperature {temperature} (>= 0), top_k {top_k} (>= 0), "
+                          f"top_p {top_p} (in (0, 1])")
     state = [module.zeros(s) for s in config.state]
     i64 = np.int64
+    rngs = [np.random.default_rng([seed, r]) for r in range(len(prompts))]
+
+    def sampling(rows: Sequence[int], n: int) -> tuple[np.ndarray, ...]:
+        """temperature, top_k, top_p, key for a call whose first rows are prompts `rows` (padding: greedy)."""
+        temp, tk = np.zeros(n, np.float32), np.zeros(n, i64)
+        tp, key = np.ones(n, np.float32), np.zeros(n, i64)
+        if temperature > 0:
+            for i, r in enumerate(rows):
+                temp[i], tk[i], tp[i], key[i] = temperature, top_k, top_p, rngs[r].integers(0, 2**32)
+        return temp, tk, tp, key
+
     stats = {"drafted": 0, "accepted": 0, "verify_calls": 0, "prefill_calls": 0}
     pbs = _batch_size(spec["prefill_batch_sizes"], 1)
     tmin, tmax = config.prefill_min_tokens, config.prefill_max_tokens
@@ -62,7 +85,8 @@ def speculative_greedy(module: Any, config: ExportConfig, prompts: Sequence[Sequ
             nxt = p[s + tmax] if s + tmax < len(p) else -1
             _, chosen, d = module(mtp_prefill_name(pbs), toks, np.array([s] + [0] * (pbs - 1), i64),
                                   np.array([len(piece)] + [0] * (pbs - 1), i64), np.array([r, *pad_slots], i64),
-                                  np.array([nxt] + [-1] * (pbs - 1), i64), *state)
+                                  np.array([nxt] + [-1] * (pbs - 1), i64), *sampling([r] if nxt < 0 else [], pbs),
+                                  *state)
             stats["prefill_calls"] += 1
         if int(chosen[0]) < 0:
             raise EngineError("non-finite logits after the prompt (a broken build or weights)")
@@ -83,7 +107,7 @@ def speculative_greedy(module: Any, config: ExportConfig, prompts: Sequence[Sequ
             toks[i, 0], toks[i, 1:] = outs[r][-1], np.clip(drafts[r], 0, None)
             lengths[i] = min(1 + k, max_new_tokens - len(outs[r]))
             start[i] = pos[r]
-        _, chosen, accepted, d = module(verify_name(n, k), toks, start, lengths, slots, *state)
+        _, chosen, accepted, d = module(verify_name(n, k), toks, start, lengths, slots, *sampling(rows, n), *state)
         stats["verify_calls"] += 1
         for i, r in enumerate(rows):
             a = int(accepted[i])

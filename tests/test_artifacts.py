@@ -87,7 +87,10 @@ def test_speculative_entry_points_round_trip_and_are_checked(tmp_path: Path) -> 
     got = ExportConfig.from_dict(_contract(speculative=spec, extra_functions=fns), tmp_path)
     assert got.speculative == {"method": "mtp", "draft_tokens": 2, "prefill_batch_sizes": [1],
                                "verify_batch_sizes": [1, 2]}
-    assert got.functions["mtp_prefill_bs1"]["args"] == ["tokens", "start_pos", "lengths", "slots", "next_tokens", "kv"]
+    sampling = ["temperature", "top_k", "top_p", "key"]
+    assert got.functions["mtp_prefill_bs1"]["args"] == ["tokens", "start_pos", "lengths", "slots", "next_tokens",
+                                                        *sampling, "kv"]
+    assert got.functions["verify_bs2_k2"]["args"] == ["tokens", "start_pos", "lengths", "slots", *sampling, "kv"]
     assert got.functions["verify_bs2_k2"]["results"] == ["logits", "chosen", "accepted", "drafts"]
     assert ExportConfig.from_dict(_contract(), tmp_path).speculative is None
     with pytest.raises(ArtifactError, match="speculative: functions missing: verify_bs2_k2"):
@@ -99,6 +102,10 @@ def test_speculative_entry_points_round_trip_and_are_checked(tmp_path: Path) -> 
                                       "args": ["tokens", "start_pos", "lengths", "slots", "kv"]}}
     with pytest.raises(ArtifactError, match=r"functions.mtp_prefill_bs1: args must be"):
         ExportConfig.from_dict(_contract(speculative=spec, extra_functions=bad), tmp_path)
+    # an export from before sampled speculation (verify without the sampling inputs) is refused by name
+    old = {**fns, "verify_bs1_k2": {**fns["verify_bs1_k2"], "args": ["tokens", "start_pos", "lengths", "slots", "kv"]}}
+    with pytest.raises(ArtifactError, match=r"functions.verify_bs1_k2: args must be .*re-export"):
+        ExportConfig.from_dict(_contract(speculative=spec, extra_functions=old), tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
-"""Speculative greedy decoding through the Engine and `dsv4 generate --speculative mtp`, with a fake
+"""Speculative decoding through the Engine and `dsv4 generate --speculative mtp`, with a fake
 module in place of the compiled one (the seam: engine.IreeModule; the compiled entry points are
-checked against the eager reference in tests/test_speculative_export.py).
+checked against the eager reference in tests/test_speculative_export.py, the sampled acceptance
+rule's distribution in tests/test_speculative.py).
 
 The fake model's greedy token after token t at position p is ``f(t, p) = (5 t + p) mod V``, so the
 plain greedy continuation is a formula (the independent reference here). Its MTP "drafter" is right
 except after a chosen token divisible by 4 (then it drafts f + 1), so rows accept different numbers
 of drafts. The fake keeps, per slot, the tokens written at each position, and checks that every call
-starts where the slot's written tokens end and that verify writes only the kept positions."""
+starts where the slot's written tokens end and that verify writes only the kept positions.
+
+A sampled row (temperature > 0) of the fake chooses ``g(t, p, key, i) = (f(t, p) + bit i of key) mod V``
+at the i-th position of a call, so its tokens depend on the keys the Engine draws from the
+request's seed (one per call: the prompt's last chunk, then every verify call)."""
 
 from __future__ import annotations
 
@@ -29,11 +34,37 @@ def f(t: int, p: int) -> int:
     return (5 * t + p) % V
 
 
+def g(t: int, p: int, key: int, i: int) -> int:
+    """The fake's sampled token after t at position p, at index i of a call with `key`."""
+    return (f(t, p) + (key >> i) % 2) % V
+
+
 def plain_greedy(prompt: list[int], n: int) -> list[int]:
     out, t, p = [], prompt[-1], len(prompt) - 1
     for _ in range(n):
         t, p = f(t, p), p + 1
         out.append(t)
+    return out
+
+
+def spec_sampled(prompt: list[int], n: int, seed: int, k: int) -> list[int]:
+    """The tokens a sampled speculative request of the fake must get: its keys drawn in order from the
+    request's Generator (PCG64(seed)): one for the prompt's last chunk, then one per verify call of
+    1 + K tokens (fewer at the end), each call keeping its accepted drafts and one more token."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    t = g(prompt[-1], len(prompt) - 1, int(rng.integers(0, 2**32)), 0)
+    out, pos = [t], len(prompt)
+    drafts = FakeModule._drafts(FakeModule, t, pos)
+    while len(out) < n:
+        key = int(rng.integers(0, 2**32))
+        toks = [out[-1], *drafts][:min(1 + k, n - len(out))]
+        chosen = [g(x, pos + i, key, i) for i, x in enumerate(toks)]
+        a = 0
+        while a + 1 < len(toks) and toks[a + 1] == chosen[a]:
+            a += 1
+        out += chosen[:a + 1]
+        pos += a + 1
+        drafts = FakeModule._drafts(FakeModule, chosen[a], pos)
     return out
 
 
@@ -51,6 +82,7 @@ class FakeModule:
 
     instances: list["FakeModule"] = []
     k = 2
+    sampled_rows: list[tuple[str, float, int, float]] = []  # (function, temperature, top_k, top_p) per sampled row
 
     def __init__(self, vmfb, parameters=None, **kw) -> None:
         self.written: dict[int, list[int]] = {s: [] for s in range(SLOTS)}
@@ -89,9 +121,22 @@ class FakeModule:
         self.calls.append(name)
         bs = int(name.split("bs", 1)[1].split("_")[0])
 
+        def sampled(temp, top_k, top_p, key) -> list[int | None]:
+            """Per row: the key of a sampled row, None for a greedy one."""
+            assert temp.dtype == np.float32 and top_p.dtype == np.float32 and key.dtype == np.int64
+            assert all(len(a) == bs for a in (temp, top_k, top_p, key))
+            out = []
+            for b in range(bs):
+                if temp[b] > 0:
+                    FakeModule.sampled_rows.append((name, float(temp[b]), int(top_k[b]), float(top_p[b])))
+                    assert 0 <= key[b] < 2**32
+                out.append(int(key[b]) if temp[b] > 0 else None)
+            return out
+
         def step(tokens, start_pos, lengths, slots, *rest):
             assert tokens.shape[0] == bs and len(slots) == bs and len(set(slots.tolist())) == bs
             nxt_tok = rest[0] if name.startswith("mtp_prefill") else None
+            keys = sampled(*rest[1:5]) if name.startswith("mtp_prefill") else [None] * bs
             logits = np.zeros((bs, V), np.float32)
             am = np.zeros(bs, np.int64)
             drafts = np.zeros((bs, self.k), np.int64)
@@ -101,7 +146,7 @@ class FakeModule:
                     continue
                 self._write(int(slots[b]), int(start_pos[b]), tokens[b, :n])
                 last = int(start_pos[b]) + n - 1
-                am[b] = f(int(tokens[b, n - 1]), last)
+                am[b] = f(int(tokens[b, n - 1]), last) if keys[b] is None else g(int(tokens[b, n - 1]), last, keys[b], 0)
                 logits[b, am[b]] = 1.0
                 if nxt_tok is not None and int(nxt_tok[b]) >= 0:
                     assert nxt_tok[b] == -1 or n == TMAX  # only a full chunk is followed by another
@@ -110,8 +155,9 @@ class FakeModule:
                 return _Host(logits), _Host(am), _Host(drafts)
             return _Host(logits), _Host(am)
 
-        def verify(tokens, start_pos, lengths, slots, *state):
+        def verify(tokens, start_pos, lengths, slots, temp, top_k, top_p, key, *state):
             assert tokens.shape == (bs, 1 + self.k)
+            keys = sampled(temp, top_k, top_p, key)
             chosen = np.zeros((bs, 1 + self.k), np.int64)
             acc = np.zeros(bs, np.int64)
             drafts = np.zeros((bs, self.k), np.int64)
@@ -120,7 +166,8 @@ class FakeModule:
                 if n == 0:
                     continue
                 for i in range(n):
-                    chosen[b, i] = f(int(tokens[b, i]), p + i)
+                    t = int(tokens[b, i])
+                    chosen[b, i] = f(t, p + i) if keys[b] is None else g(t, p + i, keys[b], i)
                 a = 0
                 while a + 1 < n and tokens[b, a + 1] == chosen[b, a]:
                     a += 1
@@ -150,6 +197,7 @@ def _write_export(d: Path, k: int | None, eos: tuple[int, ...] = ()) -> Path:
 @pytest.fixture
 def fake(monkeypatch):
     FakeModule.instances.clear()
+    FakeModule.sampled_rows.clear()
     FakeModule.k = 2
     monkeypatch.setattr(engine_mod, "IreeModule", FakeModule)
     return FakeModule
@@ -218,9 +266,31 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request(tmp_path, fake) ->
     assert res2.tokens == plain_greedy(PROMPTS[0], 5)
 
 
+def test_sampled_speculative_follows_the_seed_alone_and_batched(tmp_path, fake) -> None:
+    """A sampled speculative request gets the tokens its seed's keys give (spec_sampled), alone and
+    batched beside greedy and other sampled requests; its settings reach the device; another seed
+    gives other tokens; a request without a seed reports one that reproduces it."""
+    eng = engine_mod.Engine(_write_export(tmp_path, 2))
+    sp = dict(speculative=True, temperature=0.7, top_k=5, top_p=0.9)
+    alone = eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=25, seed=11, **sp))
+    assert alone.tokens == spec_sampled(PROMPTS[1], 25, 11, 2) != plain_greedy(PROMPTS[1], 25)
+    _check_counts(alone, 25)
+    assert alone.accepted > 0 and alone.accepted < alone.drafted  # both paths of the fake's rule ran
+    assert {r[1:] for r in fake.sampled_rows} == {(np.float32(0.7), 5, np.float32(0.9))}
+    assert {n.split("_bs")[0] for n, *_ in fake.sampled_rows} == {"mtp_prefill", "verify"}
+    params = [SamplingParams(max_new_tokens=12, speculative=True), SamplingParams(max_new_tokens=25, seed=11, **sp),
+              SamplingParams(max_new_tokens=17, seed=12, **sp)]
+    res = eng.generate_batch(PROMPTS, params)
+    assert res[0].tokens == plain_greedy(PROMPTS[0], 12)
+    assert res[1].tokens == alone.tokens
+    assert res[2].tokens == spec_sampled(PROMPTS[2], 17, 12, 2)
+    assert spec_sampled(PROMPTS[1], 25, 12, 2) != alone.tokens
+    fresh = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=9, **sp))
+    assert fresh.tokens == spec_sampled(PROMPTS[0], 9, fresh.seed, 2)
+
+
 def test_speculative_errors(tmp_path, fake) -> None:
-    with pytest.raises(SamplingParamsError, match="greedy only"):
-        SamplingParams(speculative=True, temperature=0.7)
+    assert SamplingParams(speculative=True, temperature=0.7).speculative  # sampled speculation is allowed
     with pytest.raises(SamplingParamsError, match="logprobs"):
         SamplingParams(speculative=True, logprobs=2)
     assert SamplingParams(speculative=True, temperature=0.7, top_k=1).greedy  # top_k 1 is greedy
@@ -271,13 +341,18 @@ def test_cli_speculative_errors(tmp_path, fake, capsys) -> None:
     assert rc == 2 and "--draft-tokens 3" in err and "exported with --draft-tokens 2" in err
     rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--draft-tokens", "2"])
     assert rc == 2 and "needs --speculative mtp" in err
-    rc, _, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--speculative", "mtp", "--temperature", "0.8"])
-    assert rc == 2 and "greedy only" in err
+    rc, out, err = _cli_json(capsys, [base[0], str(spec), *base[1:], "--speculative", "mtp", "--temperature", "0.8",
+                                      "--seed", "3", "--json"])
+    import json
+
+    assert rc == 0, err
+    assert json.loads(out)["tokens"] == spec_sampled([1, 2, 3], 4, 3, 2)
 
 
-def test_async_engine_serves_greedy_requests_speculatively(tmp_path, fake) -> None:
+def test_async_engine_serves_requests_speculatively(tmp_path, fake) -> None:
     """`dsv4 serve --speculative mtp`'s AsyncEngine on the Engine: greedy requests get plain greedy's
-    tokens through verify calls and their records carry the counts; a sampled one decodes plainly."""
+    tokens through verify calls, a sampled one its seed's speculative tokens, and their records carry
+    the counts; one with logprobs decodes plainly."""
     import asyncio
 
     from dsv4.runtime.serve.async_engine import AsyncEngine
@@ -291,13 +366,15 @@ def test_async_engine_serves_greedy_requests_speculatively(tmp_path, fake) -> No
                 return [c.token async for c in aeng.generate(p, params)]
             return await asyncio.gather(one(PROMPTS[0], SamplingParams(max_new_tokens=12)),
                                         one(PROMPTS[1], SamplingParams(max_new_tokens=9)),
-                                        one(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.9, seed=1)))
+                                        one(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.9, seed=1)),
+                                        one(PROMPTS[0], SamplingParams(max_new_tokens=5, logprobs=1)))
 
     got = asyncio.run(run())
     assert got[:2] == [plain_greedy(PROMPTS[0], 12), plain_greedy(PROMPTS[1], 9)]
-    assert len(got[2]) == 6
+    assert got[2] == spec_sampled(PROMPTS[2], 6, 1, 2)
+    assert got[3] == plain_greedy(PROMPTS[0], 5)
     spec = sorted((r for r in records if r.drafted), key=lambda r: -r.generated_tokens)
-    assert len(spec) == 2
+    assert len(spec) == 3
     for r in spec:
         assert r.generated_tokens == 1 + r.verify_calls + r.accepted and r.accepted <= r.drafted
     assert eng.stats["accepted"] == sum(r.accepted for r in spec) > 0

@@ -511,7 +511,7 @@ class _SpecFake(FakeEngine):
         return type("R", (), {"decode_calls": n - 1 - n // 3, "drafted": 2 * (n - 1 - n // 3), "accepted": n // 3})()
 
 
-def test_serve_speculative_marks_greedy_requests_and_counts_drafts() -> None:
+def test_serve_speculative_marks_requests_without_logprobs_and_counts_drafts() -> None:
     async def main():
         fake = _SpecFake()
         aeng = AsyncEngine(fake, max_queue=8, speculative=True)
@@ -523,11 +523,12 @@ def test_serve_speculative_marks_greedy_requests_and_counts_drafts() -> None:
                              {**OK, "temperature": 0, "max_tokens": 3, "logprobs": 1}):
                     assert (await post(client, "/v1/completions", body)).status_code == 200
                 m = (await client.get("/metrics")).text
-        assert [p.speculative for _, p in fake.submitted] == [True, True, False, False]
+        # greedy and sampled requests speculate; the one with logprobs does not
+        assert [p.speculative for _, p in fake.submitted] == [True, True, True, False]
         lab = {"model_name": MODEL}
-        assert _metric(m, "vllm:spec_decode_num_drafts_total", **lab) == (6 - 2) + (3 - 1)
-        assert _metric(m, "vllm:spec_decode_num_draft_tokens_total", **lab) == 2 * (4 + 2)
-        assert _metric(m, "vllm:spec_decode_num_accepted_tokens_total", **lab) == 2 + 1
+        assert _metric(m, "vllm:spec_decode_num_drafts_total", **lab) == (6 - 2) + (3 - 1) + (4 - 1)
+        assert _metric(m, "vllm:spec_decode_num_draft_tokens_total", **lab) == 2 * (4 + 2 + 3)
+        assert _metric(m, "vllm:spec_decode_num_accepted_tokens_total", **lab) == 2 + 1 + 1
     asyncio.run(main())
 
 

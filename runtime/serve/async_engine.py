@@ -149,8 +149,8 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, max_queue: int = 64,
                  on_finish: Callable[[RequestRecord], None] | None = None, speculative: bool = False):
-        """``speculative``: every greedy request without logprobs decodes with the export's MTP drafts
-        (SamplingParams.speculative); sampled ones decode as before. EngineError when the export has
+        """``speculative``: every request without logprobs, greedy or sampled, decodes with the export's
+        MTP drafts (SamplingParams.speculative); requests with logprobs decode as before. EngineError when the export has
         no speculative entry points."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -241,7 +241,7 @@ class AsyncEngine:
         if self.num_running + len(self._waiting) >= self.n_slots + self.max_queue:
             raise Overloaded(f"server at capacity: {self.num_running} requests running, "
                              f"{len(self._waiting)} waiting (max_queue {self.max_queue})")
-        if self.speculative and params.greedy and params.logprobs is None:
+        if self.speculative and params.logprobs is None:
             params = replace(params, speculative=True)
         h = RequestHandle(self, list(ids), params)
         self._waiting.append(h)
