@@ -164,6 +164,27 @@ def test_quant_template_qdq_and_hadamard(kernel_compile, tmp_path) -> None:
     np.testing.assert_array_equal(out["had"][0], hadamard(x).numpy(), err_msg="hadamard vs eager")
 
 
+@pytest.mark.parametrize("D", [2, 128, 512])
+def test_hadamard_template_generics_stay_small(D: int) -> None:
+    """The Hadamard kernel runs at most 4 butterfly stages per generic (reading 16 values an element):
+    one generic for all 7 stages of D = 128 (128 gathers and 381 ops an element) cost llvm-cpu ~10 s of
+    compile per dispatch (docs/export.md). Rendered only, no compile."""
+    from dsv4.export.kernel_op import render_mlir
+    from dsv4.model.kernels import KERNELS
+
+    t = f"tensor<?x?x?x{D}xbf16>"
+    text = render_mlir(KERNELS["hadamard"], dict(x_type=t, x_dtype="bf16", y_type=t, y_dtype="bf16", D=D,
+                                                 kernel_name="h", op="hadamard"))
+    bodies = [g.split("} ->")[0] for g in text.split("linalg.generic")[1:]]
+    stages = D.bit_length() - 1
+    n = -(-stages // 4)
+    sizes = [stages * (i + 1) // n - stages * i // n for i in range(n)]  # stages per generic, at most 4
+    assert len(bodies) == n
+    # 2^a values read and 2^a - 1 butterfly pairs (an add, a subtract, a select each) an element
+    assert [b.count("tensor.extract ") for b in bodies] == [2**a for a in sizes]
+    assert [b.count("arith.subf") for b in bodies] == [2**a - 1 for a in sizes]
+
+
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16"])
 def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     w, s, wd = fp8_weight(256, 256)
