@@ -176,7 +176,9 @@ class Engine:
         IREE compiles prefill_bs1 and prefill_bs4 into code that rounds differently
         (docs/numerics.md; the cost is measured there). Decode stays batched: its functions
         agree bit for bit on llvm-cpu; on a GPU only in an export made with ``--batch-invariant``
-        (measured on the H200 at decode batch sizes 1 to 64). False batches prefills across the
+        (measured on the H200 at decode batch sizes 1 to 64). Speculative verify calls go through
+        one function too (the smallest exported verify batch size): verify functions of different
+        sizes round differently even on llvm-cpu. False batches prefills and verify calls across the
         exported sizes (fewer calls, logits may differ in the last bits with the company).
         ``device_sampling`` (default) lets the export's ``sample_bs{N}`` pick sampled requests' tokens
         on the device (model/device_sampling.py): only ids come back. False, or an export without
@@ -510,7 +512,10 @@ class Engine:
         (model/speculative.py), so every token is distributed as plain sampling's."""
         k_d = self.draft_tokens
         events = []
-        for group, bs, rows in self._groups(reqs, self.config.speculative["verify_batch_sizes"]):
+        # batch-invariant: one verify function for every request (the smallest size), as prefill: on
+        # llvm-cpu verify_bs1 and verify_bs3 round differently (docs/runtime.md, Batch invariance of verify)
+        sizes = list(self.config.speculative["verify_batch_sizes"])
+        for group, bs, rows in self._groups(reqs, sizes[:1] if self.batch_invariant else sizes):
             name = verify_name(bs, k_d)
             tokens = np.zeros((bs, 1 + k_d), np.int64)
             sp, ln = np.zeros(bs, np.int64), np.zeros(bs, np.int64)

@@ -218,7 +218,7 @@ def _check_counts(res, n_new: int) -> None:
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculative_tokens_are_plain_greedy_alone_and_batched(tmp_path, fake, k) -> None:
     fake.k = k
-    eng = engine_mod.Engine(_write_export(tmp_path, k))
+    eng = engine_mod.Engine(_write_export(tmp_path, k), batch_invariant=False)  # rows packed into verify_bs2/4
     assert eng.draft_tokens == k
     n_new = [20, 13, 7]
     alone = []
@@ -237,6 +237,17 @@ def test_speculative_tokens_are_plain_greedy_alone_and_batched(tmp_path, fake, k
     assert not any(c.startswith(("prefill_", "decode_")) for c in eng.module.calls)
     assert eng.stats["accepted"] == sum(r.accepted for r in alone + res) > 0
     assert eng.stats["drafted"] == sum(r.drafted for r in alone + res)
+
+
+def test_batch_invariant_engine_verifies_every_request_through_one_function(tmp_path, fake) -> None:
+    """The default Engine (batch_invariant=True) sends every verify through the smallest exported
+    verify batch size, as it does prefill: verify functions of different sizes round differently."""
+    eng = engine_mod.Engine(_write_export(tmp_path, 2))
+    n_new = [20, 13, 7]
+    res = eng.generate_batch(PROMPTS, [SamplingParams(max_new_tokens=n, speculative=True) for n in n_new])
+    assert [r.tokens for r in res] == [plain_greedy(p, n) for p, n in zip(PROMPTS, n_new)]
+    verify = {c for c in eng.module.calls if c.startswith("verify_")}
+    assert verify == {f"verify_bs{DECODE_BS[0]}_k2"}, verify
 
 
 def test_speculative_and_plain_requests_share_the_engine(tmp_path, fake) -> None:

@@ -308,8 +308,9 @@ def test_engine_and_cli_speculative_give_plain_greedy_tokens(spec_export, capsys
     prompts = [rng.integers(0, 512, n).tolist() for n in (9, 40, 23)]
     n_new = [12, 10, 7]
     plain = eng.generate_batch(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_new])
-    spec = eng.generate_batch(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=True)
-                                        for n in n_new])
+    packed = Engine(spec_export, batch_invariant=False)  # the default Engine verifies one request per call
+    spec = packed.generate_batch(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=True)
+                                           for n in n_new])
     alone = [eng.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=True))
              for p, n in zip(prompts, n_new)]
     assert [r.tokens for r in spec] == [r.tokens for r in alone] == [r.tokens for r in plain]
