@@ -84,15 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stride", type=int, default=400, help="tokens between the rows' prompt windows")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="held-out text the prompts come from")
+    p.add_argument("--pack-calls", action="store_true",
+                   help="Engine(batch_invariant=False): rows share verify calls (default: one request per verify call)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
 
     from dsv4.runtime import Engine
 
-    eng = Engine(a.export_dir, device=a.device)
+    eng = Engine(a.export_dir, device=a.device, batch_invariant=not a.pack_calls)
     if eng.draft_tokens is None:
         raise SystemExit(f"{a.export_dir} has no speculative entry points: export it with --draft-tokens K")
-    report = {"export": a.export_dir, "device": a.device, "draft_tokens": eng.draft_tokens, "batches": {}}
+    report = {"export": a.export_dir, "device": a.device, "draft_tokens": eng.draft_tokens,
+              "pack_calls": a.pack_calls, "batches": {}}
     for b in (int(x) for x in a.batch.split(",")):
         prompts = held_out_prompts(eng, a.text, b, a.prompt_tokens, a.stride)
         run_once(eng, prompts, 4, True)  # untimed: first calls of each function
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{a.export_dir} on {a.device}, K = {eng.draft_tokens}, {a.new_tokens} new tokens per row, "
-          f"median of {a.repeats}")
+          f"median of {a.repeats}, {'packed verify calls' if a.pack_calls else 'one request per verify call'}")
     print(f"{'batch':>5} {'mode':<12} {'same':>5} {'accepted':>12} {'calls':>6} {'tok/s':>9} {'decode tok/s':>13}")
     for b, modes in report["batches"].items():
         for mode, m in modes.items():

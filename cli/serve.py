@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     try:
         eng = Engine(args.export_dir, device=args.device, device_index=args.device_index,
-                     devices=args.devices)
+                     devices=args.devices, batch_invariant=not args.pack_calls)
         aeng = AsyncEngine(eng, max_queue=args.max_queue, speculative=args.speculative == "mtp")
     except EngineError as e:
         return fail("serve", str(e))
@@ -89,6 +89,11 @@ def add_parser(subparsers: Any, name: str = "serve") -> argparse.ArgumentParser:
                         "tokens, sampled ones by the speculative-sampling rule (each token distributed as plain "
                         "sampling's), fewer decode calls; needs an export made with --draft-tokens K; /metrics "
                         "counts vllm:spec_decode_num_draft_tokens and _accepted_tokens")
+    s.add_argument("--pack-calls", action="store_true",
+                   help="pack concurrent requests' prefills and speculative verify calls into the exported batch "
+                        "sizes (fewer calls; a request's logits may then differ in the last bits with the company). "
+                        "Default: one request per prefill and verify call, so a request's results do not depend "
+                        "on what else runs")
     s.add_argument("--served-model-name", help="the model id clients send (default: the export directory's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled")

@@ -22,7 +22,7 @@ import pytest
 
 from dsv4.cli import main
 from dsv4.contract.artifact import build_config, speculative_functions, write_config
-from dsv4.contract.errors import RequestError
+from dsv4.contract.errors import EngineError, RequestError
 from dsv4.runtime import engine as engine_mod
 from dsv4.runtime.sampling import SamplingParams, SamplingParamsError
 
@@ -395,3 +395,20 @@ def test_serve_refuses_speculation_without_the_entry_points(tmp_path, fake, caps
     pytest.importorskip("uvicorn")
     rc, _, err = _cli_json(capsys, ["serve", str(_write_export(tmp_path, None)), "--speculative", "mtp"])
     assert rc == 2 and "no speculative entry points" in err and "--draft-tokens K" in err
+
+
+@pytest.mark.parametrize("flags, invariant", [([], True), (["--pack-calls"], False)])
+def test_serve_pack_calls_turns_batch_invariance_off(tmp_path, fake, capsys, monkeypatch, flags, invariant) -> None:
+    """`dsv4 serve` builds a batch-invariant Engine (one request per prefill and verify call) unless
+    --pack-calls; the Engine is stopped before the server starts (an EngineError)."""
+    pytest.importorskip("uvicorn")
+    seen = {}
+
+    def engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise EngineError("stop here")
+
+    monkeypatch.setattr(engine_mod, "Engine", engine)
+    rc, _, err = _cli_json(capsys, ["serve", str(_write_export(tmp_path, 2)), *flags])
+    assert rc == 2 and "stop here" in err
+    assert seen["batch_invariant"] is invariant
