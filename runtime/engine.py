@@ -52,6 +52,7 @@ from .batching import SlotAllocator, plan_calls
 from dsv4.contract.errors import ArtifactError, EngineError, RequestError
 from .module import IreeModule, PipelineModule
 from .sampling import SamplingParams, check_context, make_rng, sample_token, token_logprobs
+from .speculative import sampling_inputs
 from .text import IncrementalDecoder, StopMatcher, TextCodec
 
 __all__ = ["Engine", "GenerationResult", "StreamChunk", "ScoreResult", "SamplingParams",
@@ -457,13 +458,8 @@ class Engine:
         """The speculative entry points' sampling inputs for a call of batch size ``bs``: temperature
         (0: greedy, also every row not in ``rows`` (row index, request)), top_k, top_p and a key drawn
         from each sampled request's generator (greedy requests draw nothing)."""
-        temp, top_k = np.zeros(bs, np.float32), np.zeros(bs, np.int64)
-        top_p, key = np.ones(bs, np.float32), np.zeros(bs, np.int64)
-        for k, r in rows:
-            if not r.params.greedy:
-                temp[k], top_k[k], top_p[k] = r.params.temperature, r.params.top_k, r.params.top_p
-                key[k] = r.rng.integers(0, 2**32)
-        return temp, top_k, top_p, key
+        return sampling_inputs(bs, [(k, r.params.temperature, r.params.top_k, r.params.top_p, r.rng)
+                                    for k, r in rows if not r.params.greedy])
 
     def _prefill_speculative(self, reqs: list[_Request]) -> list[tuple[None, int, int]]:
         """``_prefill`` through ``mtp_prefill_bs{N}``: the prompt's chunks also run the MTP block (each

@@ -18,7 +18,19 @@ import numpy as np
 from dsv4.contract.artifact import ExportConfig, mtp_prefill_name, verify_name
 from dsv4.contract.errors import EngineError
 
-__all__ = ["speculative_greedy", "speculative_decode"]
+__all__ = ["speculative_greedy", "speculative_decode", "sampling_inputs"]
+
+
+def sampling_inputs(n: int, sampled: Sequence[tuple[int, float, int, float, np.random.Generator]]
+                    ) -> tuple[np.ndarray, ...]:
+    """The speculative entry points' per-row sampling inputs for a call of batch size n: temperature
+    f32, top_k i64, top_p f32, key i64. ``sampled``: (row, temperature, top_k, top_p, generator) of
+    each sampled row, whose key is drawn from its generator; every other row is greedy (temperature 0)."""
+    temp, top_k = np.zeros(n, np.float32), np.zeros(n, np.int64)
+    top_p, key = np.ones(n, np.float32), np.zeros(n, np.int64)
+    for i, t, k, p, rng in sampled:
+        temp[i], top_k[i], top_p[i], key[i] = t, k, p, rng.integers(0, 2**32)
+    return temp, top_k, top_p, key
 
 
 def _batch_size(sizes: Sequence[int], n: int) -> int:
@@ -62,13 +74,9 @@ def speculative_decode(module: Any, config: ExportConfig, prompts: Sequence[Sequ
     rngs = [np.random.default_rng([seed, r]) for r in range(len(prompts))]
 
     def sampling(rows: Sequence[int], n: int) -> tuple[np.ndarray, ...]:
-        """temperature, top_k, top_p, key for a call whose first rows are prompts `rows` (padding: greedy)."""
-        temp, tk = np.zeros(n, np.float32), np.zeros(n, i64)
-        tp, key = np.ones(n, np.float32), np.zeros(n, i64)
-        if temperature > 0:
-            for i, r in enumerate(rows):
-                temp[i], tk[i], tp[i], key[i] = temperature, top_k, top_p, rngs[r].integers(0, 2**32)
-        return temp, tk, tp, key
+        """The sampling inputs of a call whose first rows are prompts `rows` (padding: greedy)."""
+        sampled = [(i, temperature, top_k, top_p, rngs[r]) for i, r in enumerate(rows)] if temperature > 0 else []
+        return sampling_inputs(n, sampled)
 
     stats = {"drafted": 0, "accepted": 0, "verify_calls": 0, "prefill_calls": 0}
     pbs = _batch_size(spec["prefill_batch_sizes"], 1)
