@@ -18,6 +18,8 @@ import numpy as np
 from dsv4.contract.artifact import ExportConfig, mtp_prefill_name, verify_name
 from dsv4.contract.errors import EngineError
 
+from .sampling import SamplingParams, SamplingParamsError
+
 __all__ = ["speculative_greedy", "speculative_decode", "sampling_inputs"]
 
 
@@ -66,9 +68,10 @@ def speculative_decode(module: Any, config: ExportConfig, prompts: Sequence[Sequ
         if len(p) + max_new_tokens > config.max_seq_len:
             raise EngineError(f"prompt ({len(p)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                               f"{config.max_seq_len}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise EngineError(f"bad sampling settings: temperature {temperature} (>= 0), top_k {top_k} (>= 0), "
-                          f"top_p {top_p} (in (0, 1])")
+    try:  # the Engine's own checks of the settings
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    except SamplingParamsError as e:
+        raise EngineError(f"bad sampling settings: {e}") from None
     state = [module.zeros(s) for s in config.state]
     i64 = np.int64
     rngs = [np.random.default_rng([seed, r]) for r in range(len(prompts))]
