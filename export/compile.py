@@ -79,6 +79,11 @@ HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
 # was not slower on the H200 (docs/performance.md, GPU faults found and fixed). The CPU target keeps IREE's default:
 # the llvm-cpu runs never showed it.
 PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
+# GPU targets: IREE's aggressive fusion (part of --iree-opt-level=O3) fuses producers into reductions
+# and multi-use elementwise chains: Flash-4 decode_bs1 ~18 % fewer dispatches (docs/performance.md,
+# Dispatches per step). Its one known hang, a pairwise compare-and-count with its key producer fused in,
+# is why the top-k's count is the pair_rank kernel.
+FUSION_FLAG = "--iree-dispatch-creation-enable-aggressive-fusion=true"
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
         driver=TARGET_DRIVERS["gfx942"],
-        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG, PARTITIONING_FLAG),
+        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG, PARTITIONING_FLAG, FUSION_FLAG),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
@@ -136,6 +141,7 @@ TARGETS: dict[str, Target] = {
             "--iree-hal-local-target-device-backends=llvm-cpu",
             "--iree-llvmcpu-stack-allocation-limit=1048576",
             HOIST_FLAG,
+            FUSION_FLAG,
         ),
         arch_flag="--iree-llvmcpu-target-cpu",
         arch="host",
@@ -144,7 +150,7 @@ TARGETS: dict[str, Target] = {
     "cuda": Target(
         name="cuda",
         driver=TARGET_DRIVERS["cuda"],
-        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG, PARTITIONING_FLAG),
+        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG, PARTITIONING_FLAG, FUSION_FLAG),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",

@@ -60,6 +60,10 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "radix_threshold": Rule("kernel"),
+    # the top-k's N x N compare-and-count in the form aggressive fusion compiles for the GPUs
+    "pair_rank": Rule("kernel"),
+    # keeps producers out of two counts whose fused GPU code IREE 3.13 fails to generate
+    "fusion_barrier": Rule("kernel"),
     "topk": Rule("select"),  # exact rank/radix select: dodges an IREE miscompile of the reference's lowering
     "indexer_scores": Rule("kernel"),
     "fp8_qdq": Rule("kernel"),
@@ -78,6 +82,7 @@ RULES: dict[str, Rule] = {
     "mxfp4_linear_gathered": Rule("reference", cpu_big_experts="kernel",
                                   gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)}),
     "hc_sinkhorn": Rule("kernel"),
+    "rms_norm": Rule("kernel"),
     "moe_experts": Rule("routed"),  # reads only the selected experts' weights
     # the reference's cuda lowering made NaN rows at Flash dimensions; bitwise across cuda batch sizes
     "sparse_attention": Rule("kernel"),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .kernels.linear import f32_linear, linear
+from .kernels.norm import rms_norm
 from .quant.formats import FP8_BLOCK
 
 __all__ = ["RMSNorm", "Linear", "Head"]
@@ -23,9 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):

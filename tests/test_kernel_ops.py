@@ -28,7 +28,9 @@ from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.kernels.topk import _order_key, radix_threshold, topk
+from dsv4.model.kernels.barrier import fusion_barrier
+from dsv4.model.kernels.norm import rms_norm
+from dsv4.model.kernels.topk import _order_key, _order_key32, pair_rank, radix_threshold, topk
 
 ensure_runtime_flags()
 G = torch.Generator().manual_seed(0)
@@ -136,6 +138,22 @@ class Qdq(nn.Module):
         return self.fn(x, *self.extra)
 
 
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(_r(64) + 1)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, 1e-6)
+
+
+class Barrier(nn.Module):
+    """Work before the barrier, so the module has a dispatch to compile."""
+
+    def forward(self, x):
+        return fusion_barrier(x.exp())
+
+
 class TopK(nn.Module):
     def forward(self, x):
         return topk(x, 5)
@@ -170,6 +188,9 @@ def _cases() -> dict:
         "hc_sinkhorn": (lambda: Qdq(hc_sinkhorn, 20, 1e-6), ((_r(2, T, 4, 4) * 3).softmax(-1) + 1e-6,), (1,)),
         # order keys with many exact ties (rounded scores), rows dynamic
         "radix_threshold": (lambda: Qdq(radix_threshold, 5), (_order_key(_r(T, 40).round()),), (0,)),
+        "fusion_barrier": (Barrier, (_r(2, T, 40),), (1,)),
+        "rms_norm": (Norm, (_r(2, T, 64) * 3,), (1,)),
+        "pair_rank": (lambda: Qdq(pair_rank, 1), (_order_key32(_r(T, 40).round()),), (0,)),
         "topk": (TopK, (_r(2, T, 40).round(),), (1,)),  # rounded: many exact ties
         "moe_experts": (Moe, (_r(T, 16), torch.rand(T, 2, generator=G),
                               torch.stack([torch.randperm(4, generator=G)[:2] for _ in range(T)])), (0, 0, 0)),

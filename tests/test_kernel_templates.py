@@ -30,9 +30,10 @@ from dsv4.model.kernels.linear import (
     mxfp4_linear_stacked,
 )
 from dsv4.model.kernels.mhc import hc_sinkhorn
+from dsv4.model.kernels.norm import rms_norm
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.kernels.topk import radix_threshold
+from dsv4.model.kernels.topk import pair_rank, radix_threshold
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 
 ensure_runtime_flags()
@@ -267,12 +268,29 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
     key = torch.from_numpy(RNG.integers(0, 2**32, (3, 40)))
     key[1, :10] = key[1, 10]  # ties at the threshold
+    key32 = torch.from_numpy(RNG.integers(-2**31, 2**31, (3, 40)).astype(np.int32))
+    key32[0, ::3] = key32[0, 1]  # a run of equal keys
+    key32[2, :5] = torch.tensor([-2**31, 2**31 - 1, 0, -1, 2**31 - 1], dtype=torch.int32)  # the int32 extremes
+    xn = torch.from_numpy((RNG.standard_normal((2, 3, 96)) * np.logspace(-3, 2, 96)).astype(np.float32))
+    xn[0, 0] = 0.0  # an all-zero row: eps alone under the root
+    wn = torch.from_numpy(RNG.uniform(0.5, 2.0, 96).astype(np.float32))
     out = build({
+        "norm": (lambda x, w: rms_norm(x, w, 1e-6), (wn,), [xn], {"rms_norm": "kernel"}),
+        "norm_bf16": (lambda x, w: rms_norm(x.bfloat16(), w, 1e-6).float(), (wn,), [xn], {"rms_norm": "kernel"}),
         "mhc": (lambda c: hc_sinkhorn(c, 20, 1e-6), (), [comb], {"hc_sinkhorn": "kernel"}),
         "attn": (lambda q, kv, idx, sink: sparse_attention(q, kv, idx, sink, 0.17), (), [q, kv, idx, sink],
                  {"sparse_attention": "kernel"}),
         "radix": (lambda k: radix_threshold(k, 5), (), [key], {"radix_threshold": "kernel"}),
+        "rank": (lambda k: pair_rank(k, 1), (), [key32], {"pair_rank": "kernel"}),
+        "group_rank": (lambda k: pair_rank(k, 0), (), [key32 % 5], {"pair_rank": "kernel"}),
     }, kernel_compile, tmp_path, "mhc-attn-topk")
+    for name, x in (("norm", xn), ("norm_bf16", xn.bfloat16())):
+        xd = x.double().numpy()
+        want = wn.double().numpy() * xd / np.sqrt((xd**2).mean(-1, keepdims=True) + 1e-6)
+        got = out[name][0].astype(np.float64)
+        # f32: a few roundings of the sum and the root; bf16: one rounding of the result (2^-8 relative)
+        rtol = 1e-5 if name == "norm" else 2.0**-8
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-30, err_msg=name)
     c = comb.double().numpy()
     c = c / (c.sum(-2, keepdims=True) + 1e-6)
     for _ in range(19):
@@ -291,3 +309,10 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
     np.testing.assert_allclose(out["attn"][0][0], want, rtol=1e-5, atol=1e-6, err_msg="sparse_attention")
     kth = np.sort(key.numpy(), -1)[:, -5:-4]  # the 5th largest key: the largest t with count(key >= t) >= 5
     np.testing.assert_array_equal(out["radix"][0], kth, err_msg="radix_threshold")
+    # entry i's place in the stable descending order: the inverse of a stable argsort of -key
+    order = np.argsort(-key32.numpy().astype(np.int64), axis=-1, kind="stable")
+    want_rank = np.argsort(order, axis=-1)
+    np.testing.assert_array_equal(out["rank"][0], want_rank.astype(np.float32), err_msg="pair_rank")
+    groups = (key32 % 5).numpy()  # 5 groups of equal keys: each entry's count of earlier equal ones
+    want_group = [[(row[:i] == row[i]).sum() for i in range(row.size)] for row in groups]
+    np.testing.assert_array_equal(out["group_rank"][0], np.array(want_group, np.float32), err_msg="pair_rank by_value=0")

@@ -278,4 +278,4 @@ def overrides(impls: Mapping[str, Callable[..., Any]], registry: Mapping[str, Ke
 
 # Every kernel module registers its declarations on import (eagerly, so the registry is complete
 # whichever part of the model is imported first).
-from . import indexer, linear, mhc, moe, qdq, sparse_attention, topk  # noqa: E402,F401
+from . import barrier, indexer, linear, mhc, moe, norm, qdq, sparse_attention, topk  # noqa: E402,F401

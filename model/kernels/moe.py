@@ -17,6 +17,8 @@ import torch
 
 from . import kernel, overrides
 from .linear import gathered_linear, stacked_linear
+from .barrier import fusion_barrier
+from .topk import pair_rank
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -129,9 +131,8 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
         P = e.shape[0]
         if not isinstance(P, int):  # a prefill's dynamic P; decode keeps its P x P form (measured clean on cuda)
             return _chunked_ranks(e, n_experts)
-        i = torch.arange(P, device=e.device)
-        earlier = (i[None, :] < i[:, None]).to(torch.float32)  # [i, j]: j before i (a bool `&` does not lower)
-        return ((e[None, :] == e[:, None]).to(torch.float32) * earlier).sum(1).to(torch.int64)
+        # expert ids fit int32; the P x P count as the pair_rank kernel (one row of P keys)
+        return pair_rank(e.to(torch.int32)[None, :], 0)[0].to(torch.int64)
     onehot = (e[:, None] == torch.arange(n_experts, device=e.device)[None, :]).to(torch.int64)  # [P,E]
     return onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1
 
@@ -147,7 +148,10 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
     chunk_of = torch.div(i, chunk, rounding_mode="floor")
     j = (chunk_of * chunk)[:, None] + cols[None, :]  # [P, chunk]: the pairs of i's chunk
     same = (e[j.clamp(max=P - 1)] == e[:, None]).to(torch.float32)
-    inside = (same * (j < i[:, None]).to(torch.float32)).sum(1)  # a bool `&` does not lower
+    # the mask in a dispatch of its own: every routed layer computes the same mask, and the one
+    # producer fused into the first layer's count (and stored for the others) failed to distribute on gfx942
+    earlier = fusion_barrier((j < i[:, None]).to(torch.float32))
+    inside = (same * earlier).sum(1)  # a bool `&` does not lower
     # one chunk more than needed, and never 1: a traced chunk count the tracer could see as 1 gets
     # specialized (its broadcasting and contiguity guards), the extra chunk is empty
     n_chunks = P // chunk + 2

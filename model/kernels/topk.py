@@ -26,9 +26,10 @@ from typing import Iterator
 import torch
 
 from . import kernel
+from .barrier import fusion_barrier
 
-__all__ = ["topk_indices", "topk", "topk_select", "topk_rank", "topk_radix", "radix_threshold", "record_topk",
-           "RANK_MAX_N"]
+__all__ = ["topk_indices", "topk", "topk_select", "topk_rank", "topk_radix", "radix_threshold", "pair_rank",
+           "record_topk", "RANK_MAX_N"]
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,22 @@ def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
         n = (key[:, None, :] >= t[:, :, None] + (j << shift)[None, :, None]).float().sum(-1)  # [R, 2^B - 1]
         t = t + ((n >= k).long().sum(-1, keepdim=True) << shift)
     return t
+
+
+@kernel("pair_rank", args={"key": "R, N", "by_value": int}, results={"rank": "R, N"}, static=("N",),
+        dtypes={"key": (torch.int32,)}, result_dtypes={"rank": torch.float32}, mlir="pair_rank.mlir.jinja")
+def pair_rank(key: torch.Tensor, by_value: int) -> torch.Tensor:
+    """Per row of int32 keys [R, N], float32 counts (exact below 2^24): rank_i = #{j < i: key_j == key_i},
+    plus #{j: key_j > key_i} when `by_value`. With it, entry i's place in the stable descending order (a
+    permutation of 0..N-1: topk_rank, and topk_radix's ordering step); without, its place among the
+    equal keys (the routed MoE's counting sort, moe.pair_ranks). The kernel reads each key pair
+    without an index tensor, the form IREE's aggressive fusion compiles for the GPUs
+    (pair_rank.mlir.jinja)."""
+    i = torch.arange(key.shape[-1], device=key.device)
+    rank = torch.logical_and(key[:, None, :] == key[:, :, None], i[None, None, :] < i[None, :, None])
+    if by_value:
+        rank = torch.logical_or(rank, key[:, None, :] > key[:, :, None])
+    return rank.float().sum(-1)
 
 
 PREFIX_CHUNK = 256  # entries per chunk of prefix_count's triangular GEMM
@@ -129,7 +146,9 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"top-k: k={k} is larger than the {n} entries")
     key = _order_key(x.float().reshape(-1, n))
     rows = key.shape[0]
-    t = radix_threshold(key, k)
+    # t in a dispatch of its own: the threshold's last update fused with the count `gt.sum` below (two
+    # chained reductions) failed to bufferize on gfx942
+    t = fusion_barrier(radix_threshold(key, k))
     gt = key > t
     need = k - gt.float().sum(-1, keepdim=True)
     eq = key == t
@@ -139,11 +158,9 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
     cols = torch.arange(n, device=x.device).expand(rows, n)
     picks = torch.zeros(rows * (k + 1), dtype=torch.long, device=x.device)
     picks = picks.index_put((slot.reshape(-1),), cols.reshape(-1)).view(rows, k + 1)[:, :k]
-    v = key.gather(-1, picks)
+    # the picks' keys shifted into int32 (the same order): pair_rank's keys
+    rank = pair_rank((key.gather(-1, picks) - 2**31).to(torch.int32), 1)  # a permutation of 0..k-1 per row
     pos = torch.arange(k, device=x.device)
-    before = torch.logical_or(v[:, None, :] > v[:, :, None],
-                              torch.logical_and(v[:, None, :] == v[:, :, None], pos[None, None, :] < pos[None, :, None]))
-    rank = before.float().sum(-1)  # a permutation of 0..k-1 per row
     hit = rank[:, None, :] == pos[None, :, None].float()  # [rows, rank r, pick j]
     # a select, not hit * picks: IREE treats a multiply-sum as a contraction and materializes hit
     out = torch.where(hit, picks[:, None, :].float(), 0.0).sum(-1)
@@ -167,11 +184,8 @@ def topk_rank(x: torch.Tensor, k: int) -> torch.Tensor:
     if k > n:
         raise ValueError(f"top-k: k={k} is larger than the {n} entries")
     lead = x.shape[:-1]
-    key = _order_key32(x.float().reshape(-1, n))
+    rank = pair_rank(_order_key32(x.float().reshape(-1, n)), 1)  # [R, N]
     i = torch.arange(n, dtype=torch.float32, device=x.device)
-    above = torch.logical_or(key[:, None, :] > key[:, :, None],
-                             torch.logical_and(key[:, None, :] == key[:, :, None], i[None, None, :] < i[None, :, None]))
-    rank = above.float().sum(-1)  # [R, N]
     hit = rank[:, None, :] == torch.arange(k, dtype=torch.float32, device=x.device)[None, :, None]  # [R, k, N]
     # a select, not hit * i: IREE treats a multiply-sum as a contraction and materializes hit
     out = torch.where(hit, i[None, None, :], 0.0).sum(-1)
