@@ -342,7 +342,13 @@ class Indexer(nn.Module):
             q = quant_sim.fp4_qdq(q, 32)
         keys = compressed_cache(self.compressor, x, b, st.group, state, "idx_kv_r4", "idx_cmp_kv_r4",
                                 "idx_cmp_score_r4", cos, sin)[:, :-1]  # [B,R,di] (scratch row dropped)
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        wp = self.weights_proj.weight
+        # bf16/f32: f32_linear rounded to x's dtype, the values of weights_proj(x) (f32 sums, one rounding),
+        # through the kernel that pads a prefill's rows to a tile so GPUs run it on the matrix cores (as a
+        # plain linear over the token count it ran without them)
+        w = f32_linear(x, wp).to(x.dtype) if x.dtype in (torch.bfloat16, torch.float32) and wp.dtype == x.dtype \
+            else self.weights_proj(x)
+        w = w * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_vis = torch.div(b.pos + 1, 4, rounding_mode="floor")
         if aux is not None:  # training hook (see `aux`)
             aux.update(q=q, w=w, keys=keys.to(q.dtype), n_vis=n_vis)
@@ -478,9 +484,20 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 
 def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out_k = post_k f + sum_j comb[j, k] res_j (contracting comb's FIRST index)."""
-    y = post[..., None] * f[:, :, None, :].float() + torch.einsum("btjk,btjd->btkd", comb, res.float())
-    return y.to(f.dtype)
+    """out_k = post_k f + sum_j comb[j, k] res_j (contracting comb's FIRST index), fp32, f.dtype out.
+
+    Evaluated as one elementwise expression in a fixed order, for every k at once:
+    post_k f + (((comb[0, k] res_0 + comb[1, k] res_1) + comb[2, k] res_2) + ...), the streams added in
+    index order and the mix added to post_k f last. The contraction over n = 4 streams as an einsum
+    compiled to a batch matmul per token with K = 4, off the matrix cores; this form is one elementwise
+    dispatch. The bf16 operands are promoted by the f32 products (no .float()): a conversion of each
+    stream res_j would be the same op as the one in hc_pre's collapse of these streams, which IREE then
+    shares between the two and materializes (four more dispatches per call). At batch 8 IREE copies the
+    stream and comb slices apart (docs/performance.md, MI300X)."""
+    mix = comb[:, :, 0, :, None] * res[:, :, 0, None, :]
+    for j in range(1, res.shape[2]):
+        mix = mix + comb[:, :, j, :, None] * res[:, :, j, None, :]
+    return (post[..., None] * f[:, :, None, :] + mix).to(f.dtype)
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,

@@ -236,6 +236,7 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
 def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     x = torch.from_numpy(RNG.standard_normal((3, 64)).astype(np.float32))
     w = torch.from_numpy(RNG.standard_normal((32, 64)).astype(np.float32))
+    ws = torch.from_numpy(RNG.standard_normal((24, 64)).astype(np.float32))  # full 24-bit significands
     xg = torch.from_numpy(RNG.standard_normal((3, 2, 64)).astype(np.float32))
     wg = torch.from_numpy(RNG.standard_normal((2, 16, 64)).astype(np.float32))
     q = torch.from_numpy(RNG.standard_normal((1, 3, 4, 32)).astype(np.float32))
@@ -244,12 +245,17 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     out = build({
         "dense": (f32_linear, (w,), [x], {"f32_linear": "kernel"}),
         "dense16": (f32_linear, (w,), [x], {"f32_linear": "kernel_rows16"}),
+        # a bf16 activation and an f32 weight: the three-bf16-term split, its 3 x 24 = 72 rows padded to 80
+        "split": (lambda x, w: f32_linear(x.bfloat16(), w), (ws,), [x], {"f32_linear": "kernel"}),
         "grouped": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel"}),
         "indexer": (indexer_scores, (), [q, iw, keys], {"indexer_scores": "kernel"}),
     }, kernel_compile, tmp_path, "dense-grouped-indexer")
     xd, wd = x.double().numpy(), w.double().numpy()
     for k in ("dense", "dense16"):
         assert_sum_close(out[k][0], xd @ wd.T, np.abs(xd) @ np.abs(wd).T, k)
+    xb, wsd = x.bfloat16().double().numpy(), ws.double().numpy()  # the split is exact: f32 sums of exact products
+    assert out["split"][0].shape == (3, 24)
+    assert_sum_close(out["split"][0], xb @ wsd.T, np.abs(xb) @ np.abs(wsd).T, "split")
     xgd, wgd = xg.double().numpy(), wg.double().numpy()
     want = np.einsum("tgk,gnk->tgn", xgd, wgd)
     assert_sum_close(out["grouped"][0], want, np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd)), "grouped_linear")

@@ -88,6 +88,34 @@ def test_hc_post_contracts_first_index():
     assert (wrong - out).abs().max() > 1e-2
 
 
+def test_hc_post_is_the_fixed_order_sum():
+    """hc_post (one elementwise expression for the export) gives bit for bit the float32 sum its docstring
+    names, post_k f + (((comb[0, k] res_0 + comb[1, k] res_1) + comb[2, k] res_2) + comb[3, k] res_3), at
+    decode and prefill shapes with bf16 activations, and agrees with the float64 contraction to f32 rounding."""
+    g = torch.Generator().manual_seed(6)
+    for B, T, n, d in ((1, 1, 4, 4096), (8, 1, 4, 256), (2, 37, 4, 64), (1, 3, 2, 5)):
+        f = (torch.randn(B, T, d, generator=g) * 3).bfloat16()
+        res = (torch.randn(B, T, n, d, generator=g) * 7).bfloat16()
+        post = 2 * torch.sigmoid(torch.randn(B, T, n, generator=g))
+        comb = torch.rand(B, T, n, n, generator=g) + 1e-6
+        got = hc_post(f, res, post, comb)
+        assert got.dtype == torch.bfloat16 and got.shape == (B, T, n, d)
+        want = torch.empty(B, T, n, d)
+        for k in range(n):
+            mix = comb[:, :, 0, k, None] * res[:, :, 0].float()
+            for j in range(1, n):
+                mix = mix + comb[:, :, j, k, None] * res[:, :, j].float()
+            want[:, :, k] = post[:, :, k, None] * f.float() + mix
+        assert torch.equal(got, want.bfloat16()), (B, T, n, d)
+        ref = post.double()[..., None] * f.double()[:, :, None] + torch.einsum("btjk,btjd->btkd", comb.double(), res.double())
+        mag = post.double()[..., None] * f.double().abs()[:, :, None] + torch.einsum("btjk,btjd->btkd", comb.double(),
+                                                                                        res.double().abs())
+        # one bf16 rounding (2^-8 relative) of an f32 sum (a few 2^-24 of the magnitudes)
+        assert ((got.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-21 * mag).all(), (B, T, n, d)
+        wrong = hc_post(f, res, post, comb.transpose(-1, -2)).double()  # comb's indices swapped
+        assert (wrong - ref).abs().max() > 0.1
+
+
 def test_hc_head_formula():
     n, d = 4, 8
     h, fn, base, scale = randn(1, 2, n, d), randn(n, n * d, scale=0.3), randn(n), randn(1)

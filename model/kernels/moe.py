@@ -161,7 +161,11 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
     experts = torch.arange(n_experts, device=dev)
     hits = (e[members.clamp(max=P - 1)][:, :, None] == experts[None, None, :]).to(torch.float32)
     counts = (hits * valid[:, :, None]).sum(1)  # [chunks, E]
-    before = ((c[None, :] < c[:, None]).to(torch.float32)[:, :, None] * counts[None, :, :]).sum(1)  # [chunks, E]
+    # [chunks, E]: the counts of the chunks before, a select-and-sum over the few chunks (P / 256 + 2). As
+    # the product of the earlier-chunk mask and the counts it was a matmul to IREE (f32, two dynamic
+    # dims of a few rows) that no GPU backend runs on its matrix cores; as a select it is a reduction,
+    # in the same number of dispatches. Integer counts: exact in f32 in any order.
+    before = torch.where((c[None, :] < c[:, None])[:, :, None], counts[None, :, :], 0.0).sum(1)
     own = chunk_of * n_experts + e  # 1-D gather: a 2-index one does not lower
     return (inside + before.flatten()[own]).to(torch.int64)
 
