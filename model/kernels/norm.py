@@ -15,7 +15,9 @@ from . import kernel
 _F = (torch.float32, torch.bfloat16)
 
 
-@kernel("rms_norm", args={"x": "..., D", "weight": "D", "eps": float}, results={"y": "..., D"}, static=("D",),
+# x [B, T, D], not "..., D": flattening a leading T // m + 1 (a compressor's entries) into one dim made
+# torch.export guard the traced prompt length
+@kernel("rms_norm", args={"x": "B, T, D", "weight": "D", "eps": float}, results={"y": "B, T, D"}, static=("D",),
         dtypes={"x": _F, "weight": (torch.float32,)}, mlir="norm.mlir.jinja")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)) in fp32, returned in x's dtype (the mean: the sum over D,
