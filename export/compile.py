@@ -79,11 +79,13 @@ HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
 # was not slower on the H200 (docs/performance.md, GPU faults found and fixed). The CPU target keeps IREE's default:
 # the llvm-cpu runs never showed it.
 PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
-# GPU targets: IREE's aggressive fusion (part of --iree-opt-level=O3) fuses producers into reductions
-# and multi-use elementwise chains: Flash-4 decode_bs1 ~18 % fewer dispatches (docs/performance.md,
-# Dispatches per step). Its one known hang, a pairwise compare-and-count with its key producer fused in,
-# is why the top-k's count is the pair_rank kernel.
-FUSION_FLAG = "--iree-dispatch-creation-enable-aggressive-fusion=true"
+# Every target: IREE's aggressive fusion (part of --iree-opt-level=O3) fuses producers into reductions,
+# without the multi-use fusion it also turns on: Flash-4 decode_bs1 499 -> 442 dispatches with the
+# rms_norm kernel (docs/performance.md, Dispatches per step). Multi-use fusion would take it to 385, but
+# it puts producers whose results are also stored into reductions, and gfx942's code generation fails
+# on such dispatches ("failed to distribute": the tiny model's device sampler; the MoE's shared masks
+# and pairwise counts, which also hang, are why those are the pair_rank kernel and fusion barriers).
+FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true", "--iree-dispatch-creation-fuse-multi-use=false")
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ TARGETS: dict[str, Target] = {
     "gfx942": Target(
         name="gfx942",
         driver=TARGET_DRIVERS["gfx942"],
-        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG, PARTITIONING_FLAG, FUSION_FLAG),
+        base_flags=("--iree-hal-target-device=hip", HOIST_FLAG, PARTITIONING_FLAG, *FUSION_FLAGS),
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
@@ -141,7 +143,7 @@ TARGETS: dict[str, Target] = {
             "--iree-hal-local-target-device-backends=llvm-cpu",
             "--iree-llvmcpu-stack-allocation-limit=1048576",
             HOIST_FLAG,
-            FUSION_FLAG,
+            *FUSION_FLAGS,
         ),
         arch_flag="--iree-llvmcpu-target-cpu",
         arch="host",
@@ -150,7 +152,7 @@ TARGETS: dict[str, Target] = {
     "cuda": Target(
         name="cuda",
         driver=TARGET_DRIVERS["cuda"],
-        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG, PARTITIONING_FLAG, FUSION_FLAG),
+        base_flags=("--iree-hal-target-device=cuda", HOIST_FLAG, PARTITIONING_FLAG, *FUSION_FLAGS),
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",
