@@ -1,6 +1,6 @@
 """A fusion barrier: the identity, which IREE's dispatch creation does not fuse across.
 
-With aggressive fusion (export/compile.py FUSION_FLAG) IREE 3.13 pulls a reduction's producers into
+With aggressive fusion (export/compile.py FUSION_FLAGS) IREE 3.13 pulls a reduction's producers into
 the reduction's dispatch, and for two of the model's counts the GPU code generation of the fused
 dispatch then fails: a count over a gathered operand ("failed to distribute") and a count over the
 radix select's order keys ("failed to bufferize"; docs/performance.md, Dispatches per step). Where the
