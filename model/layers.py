@@ -24,7 +24,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if x.dim() == 3:
+            return rms_norm(x, self.weight, self.eps)
+        # the kernel takes [B, T, D]: other ranks (the MTP block's streams [B, T, n, D]) fold into T
+        return rms_norm(x.flatten(1, -2), self.weight, self.eps).view(x.shape)
 
 
 class Linear(nn.Module):
