@@ -272,9 +272,6 @@ def test_verify_bs1_and_bs3_agree_up_to_rounding(art):
         assert np.array_equal(a, b), name
 
 
-@pytest.mark.xfail(strict=True, reason="llvm-cpu: verify_bs1_k2 (3 token rows) and verify_bs3_k2 (9) round the "
-                                       "logits differently (|diff| ~4e-7 on the tiny preset; decode_bs1 and "
-                                       "decode_bs3 of the same export agree bitwise), docs/runtime.md")
 def test_verify_is_batch_invariant_across_batch_sizes(art):
     """A row verified alone in verify_bs1_k2 and beside two others in verify_bs3_k2: bitwise the same
     logits."""
