@@ -87,7 +87,8 @@ PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 # and pairwise counts, which also hang, are why those are the pair_rank kernel and fusion barriers).
 # llvm-cpu keeps IREE's default fusion: with these flags its decode entry points stopped agreeing bit
 # for bit across batch sizes (tests/test_batch_invariance.py).
-FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true", "--iree-dispatch-creation-fuse-multi-use=false")
+FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true",
+                "--iree-dispatch-creation-fuse-multi-use=false")
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "radix_threshold": Rule("kernel"),
-    # the top-k's N x N compare-and-count in the form aggressive fusion compiles for the GPUs
+    # the top-k's and the routed MoE's N x N compare-and-counts in the form aggressive fusion compiles for the GPUs
     "pair_rank": Rule("kernel"),
     # keeps producers out of two counts whose fused GPU code IREE 3.13 fails to generate
     "fusion_barrier": Rule("kernel"),

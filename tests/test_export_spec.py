@@ -152,7 +152,8 @@ def test_check_model_compares_the_model_with_the_spec():
 # ---- the lowering policy --------------------------------------------------------------------------
 
 # each op's implementation with no condition applying (what config.json recorded before the policy moved)
-DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier": "kernel", "rms_norm": "kernel", "topk": "select", "indexer_scores": "kernel", "fp8_qdq": "kernel",
+DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier": "kernel", "rms_norm": "kernel",
+           "topk": "select", "indexer_scores": "kernel", "fp8_qdq": "kernel",
            "fp4_qdq": "kernel", "hadamard": "kernel", "fp8_block_linear": "kernel", "mxfp4_linear": "kernel",
            "f32_linear": "kernel", "grouped_linear": "kernel", "fp8_block_linear_stacked": "kernel",
            "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference", "hc_sinkhorn": "kernel",

@@ -1,9 +1,10 @@
 """A fusion barrier: the identity, which IREE's dispatch creation does not fuse across.
 
 With aggressive fusion (export/compile.py FUSION_FLAGS) IREE 3.13 pulls a reduction's producers into
-the reduction's dispatch, and for two of the model's counts the GPU code generation of the fused
-dispatch then fails: a count over a gathered operand ("failed to distribute") and a count over the
-radix select's order keys ("failed to bufferize"; docs/performance.md, Dispatches per step). Where the
+the reduction's dispatch, and for two of the model's counts gfx942's code generation of the fused
+dispatch then fails: the routed MoE's chunked rank with the `j < i` mask every layer shares fused in
+("failed to distribute"), and the radix select's last threshold update fused with the count after it
+("failed to bufferize"; docs/performance.md, Dispatches per step). Where the
 barrier stands, the producer stays in a dispatch of its own and the count compiles. Eager it is the
 identity, and so is the compiled kernel (a ``util.optimization_barrier``, which the compiler drops
 after forming the dispatches).
