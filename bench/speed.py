@@ -45,7 +45,7 @@ from dsv4.bench.traffic import datasheet_peak, expected_distinct, step_bytes
 from dsv4.contract.artifact import TensorSpec, whole_inventory
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "row_prompts", "copy_bandwidth", "main",
-           "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table", "device_name"]
+           "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table", "profile_lines", "device_name"]
 
 TORCH_BACKENDS = ("torch-eager", "torch-compile", "transformers")
 
@@ -336,8 +336,9 @@ def _tool(name: str) -> Path:
 def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, position: int, steps: int,
                      workdir: Path) -> dict[str, Any]:
     """Top 10 dispatches by time of `steps` (at most PROFILE_CALLS) calls of {kind}_bs{batch} ("decode"
-    or "prefill") with `tokens` tokens per row written at `position` (zero state: every read is masked by
-    position, the work is the same), or why that is unavailable."""
+    or "prefill"; "verify": verify_bs{batch}_k{K} with greedy rows, `tokens` = 1 + K) with `tokens`
+    tokens per row written at `position` (zero state: every read is masked by position, the work is the
+    same), or why that is unavailable."""
     steps = min(steps, PROFILE_CALLS)
     mode = PROFILE_MODES.get(device)
     cfg = eng.config
@@ -352,12 +353,17 @@ def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, 
     prof = workdir / f"{kind}.ireeprof"
     inputs = [f"--input={batch}x{tokens}xi64=3", f"--input={batch}xi64={position}", f"--input={batch}xi64={tokens}",
               f"--input=@{workdir / 'slots.npy'}"]
+    function = f"{kind}_bs{batch}"
+    if kind == "verify":  # greedy rows: temperature 0, top_k 0, top_p 1, key 0
+        function = f"verify_bs{batch}_k{tokens - 1}"
+        inputs += [f"--input={batch}xf32=0", f"--input={batch}xi64=0", f"--input={batch}xf32=1",
+                   f"--input={batch}xi64=0"]
     inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]
     n_dev = len(eng.module.devices)  # a multi-device export: one --device per device, in order
     uris = [device] * n_dev if device.startswith("local") else [f"{device}://{i}" for i in range(n_dev)]
     cmd = [str(_tool("iree-benchmark-module")), f"--module={eng.vmfb_path}",
            *(f"--parameters=model={p}" for p in eng.parameters_paths), *(f"--device={u}" for u in uris),
-           f"--function={kind}_bs{batch}",
+           f"--function={function}",
            *inputs, f"--benchmark_min_time={steps}x", f"--device_profiling_mode={mode}",
            f"--device_profiling_output={prof}"]
     if eng.target == "llvm-cpu":
@@ -370,7 +376,7 @@ def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, 
         if device == "cuda" and "UNIMPLEMENTED" in last and shutil.which("ncu"):
             # IREE 3.13's CUDA HAL has no native profiling: time every kernel with Nsight Compute instead
             prof_ncu = _ncu_profile([c for c in cmd if not c.startswith("--device_profiling")], batch, steps, workdir)
-            return {**prof_ncu, "function": f"{kind}_bs{batch}", "tokens": tokens}
+            return {**prof_ncu, "function": function, "tokens": tokens}
         return {"available": False, "why": f"iree-benchmark-module failed: {last[:300]}"}
     rep = _run_limited([str(_tool("iree-profile")), "dispatch", "--format=jsonl", str(prof)])
     if rep is None:
@@ -382,7 +388,7 @@ def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, 
     calls = min(g["count"] for g in groups)  # every dispatch of the function runs at least once a call
     total = sum(g["total_ns"] for g in groups)
     top = sorted(groups, key=lambda g: -g["total_ns"])[:10]
-    return {"available": True, "via": f"IREE HAL profiling ({mode})", "function": f"{kind}_bs{batch}",
+    return {"available": True, "via": f"IREE HAL profiling ({mode})", "function": function,
             "batch": batch, "tokens": tokens, "calls": calls,
             "dispatches_per_step": sum(g["count"] for g in groups) / calls, "device_ms_per_step": total / calls / 1e6,
             "top": [{"name": g["key"], "ms_per_step": g["total_ns"] / calls / 1e6,
@@ -664,16 +670,22 @@ def print_table(rep: dict[str, Any], out: Any = None) -> None:
         if p is None:
             continue
         w("")
-        if not p["available"]:
-            w(f"per-dispatch profile of {kind}: unavailable ({p['why']})")
-            continue
-        rows = f"batch {p['batch']}" + (f" x {p['tokens']} tokens" if kind == "prefill" else "")
-        w(f"per-dispatch profile, {kind} {rows}, via {p['via']}, {p['calls']} calls: "
-          f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per call; top 10:")
-        for k in p["top"]:
-            w(f"  {k['ms_per_step']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls_per_step']:<4.0f} {k['name'][:100]}")
+        for line in profile_lines(kind, p):
+            w(line)
     for n in rep["notes"]:
         w(f"note: {n}")
+
+
+def profile_lines(kind: str, p: dict[str, Any]) -> list[str]:
+    """A dispatch_profile result as text: a heading line and its top dispatches."""
+    if not p["available"]:
+        return [f"per-dispatch profile of {kind}: unavailable ({p['why']})"]
+    rows = f"batch {p['batch']}" + (f" x {p['tokens']} tokens" if kind != "decode" else "")
+    out = [f"per-dispatch profile, {p.get('function', kind)} {rows}, via {p['via']}, {p['calls']} calls: "
+           f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per call; top 10:"]
+    out += [f"  {k['ms_per_step']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls_per_step']:<4.0f} {k['name'][:100]}"
+            for k in p["top"]]
+    return out
 
 
 def write_plot(rep: dict[str, Any], path: str) -> None:

@@ -6,6 +6,7 @@ emits 1 + a*K tokens (K = 1; longer chains accept less) and the speed-up is
 
     python -m dsv4.bench.verify_cost OUT [--device cuda] [--batch 1,8] [--context 128] [--steps 32]
 
+--profile adds the top dispatches of one call of each (dsv4 bench's per-dispatch profile).
 OUT: an export made with `dsv4 export --draft-tokens K` (its decode_bs{N} and verify_bs{N}_k{K});
 random weights are fine (`dsv4 weights random OUT`): the cost of a call does not depend on them.
 Each row decodes at positions context, context + 1, ... (every call writes the next positions:
@@ -22,6 +23,8 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from dsv4.bench.speed import PROFILE_CALLS, dispatch_profile, profile_lines
 
 
 def measure(export_dir: str, device: str, batch_sizes: Sequence[int], context: int, steps: int,
@@ -64,6 +67,24 @@ def measure(export_dir: str, device: str, batch_sizes: Sequence[int], context: i
     return rows
 
 
+def profile(export_dir: str, device: str, batch_sizes: Sequence[int], context: int) -> list[tuple[str, dict[str, Any]]]:
+    """[(kind, dispatch_profile)] of decode_bs{N} and verify_bs{N}_k{K} for each N, zero state at `context`."""
+    import tempfile
+    from pathlib import Path
+
+    from dsv4.runtime.engine import Engine
+
+    eng = Engine(export_dir, device=device)
+    k = int(eng.config.speculative["draft_tokens"])
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in batch_sizes:
+            for kind, width in (("decode", 1), ("verify", 1 + k)):
+                out.append((kind, dispatch_profile(eng, device, kind, n, width, context, PROFILE_CALLS,
+                                                   Path(tmp) / f"{kind}{n}")))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4.bench.verify_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("export_dir")
@@ -71,16 +92,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", default="1", help="batch sizes, comma-separated (each exported for decode and verify)")
     p.add_argument("--context", type=int, default=128, help="the first decode position of every row")
     p.add_argument("--steps", type=int, default=32, help="timed calls per function (after 3 warm-up calls)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the top dispatches of one decode and one verify call per batch size (as dsv4 bench's "
+                        "per-dispatch profile: IREE's HAL profiling, Nsight Compute on cuda)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    rows = measure(a.export_dir, a.device, [int(b) for b in a.batch.split(",")], a.context, a.steps)
+    batches = [int(b) for b in a.batch.split(",")]
+    rows = measure(a.export_dir, a.device, batches, a.context, a.steps)
     print(f"{'batch':>5} {'K':>2} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}   speed-up at acceptance 0.5 / 0.7 / 0.9")
     for r in rows:
         s = r["speedup"]
         print(f"{r['batch']:>5} {r['draft_tokens']:>2} {r['decode_ms']:>10.3f} {r['verify_ms']:>10.3f} "
               f"{r['ratio']:>6.2f}   {s['0.5']:.2f} / {s['0.7']:.2f} / {s['0.9']:.2f}")
+    profiles = profile(a.export_dir, a.device, batches, a.context) if a.profile else []
+    for kind, prof in profiles:
+        print()
+        print("\n".join(profile_lines(kind, prof)))
     if a.json:
-        print(json.dumps({"export": a.export_dir, "device": a.device, "rows": rows}))
+        print(json.dumps({"export": a.export_dir, "device": a.device, "rows": rows,
+                          "profiles": [prof for _, prof in profiles]}))
     return 0
 
 

@@ -9,12 +9,16 @@ its MLIR kernel and the kernel's variants. An export traces one of them per op:
    rows to a 16-row tile (kernel_rows16) so a GPU runs one GEMM schedule for every decode batch size
    (docs/numerics.md). llvm-cpu is batch-invariant without them and not with them, so an
    llvm-cpu-only export ignores the flag (and ExportSpec refuses llvm-cpu beside a GPU target with it);
-3. on an llvm-cpu-only export whose routed experts pass GATHER_COPY_LIMIT a layer in f32, the op's
+3. on an export whose targets are all GPUs, the op's ``gpu`` form: the GEMMs pad 2 to 4 static rows to 8
+   (kernel_small_rows), which IREE otherwise compiles off the matrix cores (a one-row verify call of
+   Flash-4 on the H100: 114 ms unpadded, 15.6 ms padded). llvm-cpu's decode is bitwise the same at every
+   batch size only unpadded, so an export with llvm-cpu beside a GPU keeps the unpadded GEMMs for both;
+4. on an llvm-cpu-only export whose routed experts pass GATHER_COPY_LIMIT a layer in f32, the op's
    ``cpu_big_experts`` form: reading the experts in place instead of gathering them first (the gather
    makes IREE write an f32 copy of every routed block's weights, 27 GB per Flash layer for a 100-token
    prefill; at the embedded default's size the gather is 2x faster). GPU targets keep the gather:
    their compile of the in-place kernel needs a flag that changes every reduction (``gpu_flags``);
-4. the user's ``--kernel OP=IMPL`` choices on top ('*=IMPL' first, for every op offering IMPL, then
+5. the user's ``--kernel OP=IMPL`` choices on top ('*=IMPL' first, for every op offering IMPL, then
    the named ops): an explicit choice always wins.
 
 config.json records the result per target ("kernels", and the flags in "flags"); ``--kernel``'s help
@@ -54,6 +58,7 @@ class Rule:
 
     default: str
     batch_invariant: str | None = None  # a GPU export with --batch-invariant
+    gpu: str | None = None  # an export whose targets are all GPUs (without --batch-invariant)
     cpu_big_experts: str | None = None  # an llvm-cpu-only export with routed experts over GATHER_COPY_LIMIT
     gpu_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # impl -> flags a GPU compile needs
 
@@ -69,12 +74,12 @@ RULES: dict[str, Rule] = {
     "fp8_qdq": Rule("kernel"),
     "fp4_qdq": Rule("kernel"),
     "hadamard": Rule("kernel"),
-    "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16"),
+    "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_small_rows"),
     "mxfp4_linear": Rule("kernel"),
-    "f32_linear": Rule("kernel", batch_invariant="kernel_rows16"),
+    "f32_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_small_rows"),
     # wo_a: the kernel is 1.6x a Flash-4 prefill on the H200; batch-invariant exports keep the einsum,
     # the form cuda's bitwise check ran with
-    "grouped_linear": Rule("kernel", batch_invariant="reference"),
+    "grouped_linear": Rule("kernel", batch_invariant="reference", gpu="kernel_small_rows"),
     "fp8_block_linear_stacked": Rule("kernel", batch_invariant="kernel_rows16"),
     # the f32 form's one-row (bs1) and 16-row-block (bs8+) GEMMs agree bit for bit; the bf16 GEMM's do not
     "mxfp4_linear_stacked": Rule("kernel", batch_invariant="kernel_f32"),
@@ -95,7 +100,7 @@ def _check_rules() -> None:
         raise RuntimeError(f"export/lowering.py RULES and the declared kernels differ: "
                            f"{sorted(set(RULES) ^ set(mk.KERNELS))}")
     for name, rule in RULES.items():
-        for impl in (rule.default, rule.batch_invariant, rule.cpu_big_experts, *rule.gpu_flags):
+        for impl in (rule.default, rule.batch_invariant, rule.gpu, rule.cpu_big_experts, *rule.gpu_flags):
             if impl is not None:
                 mk.KERNELS[name].check_impl(impl)
 
@@ -140,10 +145,12 @@ class LoweringPlan:
 def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
     """The lowering of every op for `spec`'s targets and options on the model `cfg` (module docstring)."""
     gpu = any(t.name != "llvm-cpu" for t in spec.targets)
+    gpu_only = all(t.name != "llvm-cpu" for t in spec.targets)
     big = not gpu and routed_f32_bytes(cfg) > GATHER_COPY_LIMIT
     base = {}
     for name, rule in RULES.items():
         picked = rule.batch_invariant if gpu and spec.batch_invariant else None
+        picked = picked or (rule.gpu if gpu_only else None)
         picked = picked or (rule.cpu_big_experts if big else None)
         base[name] = picked or rule.default
     kernels = resolve_kernels(dict(spec.kernels), base=base)
@@ -164,5 +171,5 @@ def kernel_help() -> str:
 
     return (f"lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong OP or IMPL "
             f"lists the choices). Plan (export/lowering.py): {usual} for every op but {odd}; on a GPU with "
-            f"--batch-invariant {when('batch_invariant')}; on llvm-cpu alone with routed experts over 1 GiB a "
+            f"--batch-invariant {when('batch_invariant')}; on GPUs only (no llvm-cpu target) {when('gpu')}; on llvm-cpu alone with routed experts over 1 GiB a "
             f"layer in f32 {when('cpu_big_experts')}")

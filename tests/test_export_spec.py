@@ -161,6 +161,8 @@ DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier":
 GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
           "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "grouped_linear": "reference"}
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}
+GPU_ONLY = {"fp8_block_linear": "kernel_small_rows", "f32_linear": "kernel_small_rows",
+            "grouped_linear": "kernel_small_rows"}
 
 # (targets, model, batch_invariant, --kernel choices) -> (changes to DEFAULT, {target: extra flags})
 CASES = [
@@ -168,7 +170,9 @@ CASES = [
     (("llvm-cpu", "gfx942"), TINY, False, {}, {}, {"llvm-cpu": (), "gfx942": ()}),
     (("llvm-cpu",), FLASH, False, {}, CPU_BIG, {"llvm-cpu": ()}),
     (("llvm-cpu", "cuda"), FLASH, False, {}, {}, {"llvm-cpu": (), "cuda": ()}),
-    (("gfx942",), FLASH, False, {}, {}, {"gfx942": ()}),
+    (("gfx942",), FLASH, False, {}, GPU_ONLY, {"gfx942": ()}),
+    (("gfx942", "cuda"), TINY, False, {"f32_linear": "kernel"}, {**GPU_ONLY, "f32_linear": "kernel"},
+     {"gfx942": (), "cuda": ()}),
     (("cuda",), FLASH, True, {}, GPU_BI, {"cuda": ()}),
     (("gfx942", "cuda"), TINY, True, {}, GPU_BI, {"gfx942": (), "cuda": ()}),
     (("llvm-cpu",), FLASH, True, {}, CPU_BIG, {"llvm-cpu": ()}),  # llvm-cpu alone ignores --batch-invariant

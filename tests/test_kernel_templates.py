@@ -186,7 +186,8 @@ def test_hadamard_template_generics_stay_small(D: int) -> None:
     assert [b.count("arith.subf") for b in bodies] == [2**a - 1 for a in sizes]
 
 
-@pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16"])
+@pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16",
+                                  "kernel_small_rows"])
 def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     w, s, wd = fp8_weight(256, 256)
     ws, ss, wsd = zip(*[fp8_weight(256, 256) for _ in range(2)])
@@ -245,20 +246,25 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     out = build({
         "dense": (f32_linear, (w,), [x], {"f32_linear": "kernel"}),
         "dense16": (f32_linear, (w,), [x], {"f32_linear": "kernel_rows16"}),
+        # 3 static rows: padded to 8 (the GPU-only form)
+        "dense_small": (f32_linear, (w,), [x], {"f32_linear": "kernel_small_rows"}),
+        "grouped_small": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel_small_rows"}),
         # a bf16 activation and an f32 weight: the three-bf16-term split, its 3 x 24 = 72 rows padded to 80
         "split": (lambda x, w: f32_linear(x.bfloat16(), w), (ws,), [x], {"f32_linear": "kernel"}),
         "grouped": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel"}),
         "indexer": (indexer_scores, (), [q, iw, keys], {"indexer_scores": "kernel"}),
     }, kernel_compile, tmp_path, "dense-grouped-indexer")
     xd, wd = x.double().numpy(), w.double().numpy()
-    for k in ("dense", "dense16"):
+    for k in ("dense", "dense16", "dense_small"):
         assert_sum_close(out[k][0], xd @ wd.T, np.abs(xd) @ np.abs(wd).T, k)
     xb, wsd = x.bfloat16().double().numpy(), ws.double().numpy()  # the split is exact: f32 sums of exact products
     assert out["split"][0].shape == (3, 24)
     assert_sum_close(out["split"][0], xb @ wsd.T, np.abs(xb) @ np.abs(wsd).T, "split")
     xgd, wgd = xg.double().numpy(), wg.double().numpy()
     want = np.einsum("tgk,gnk->tgn", xgd, wgd)
-    assert_sum_close(out["grouped"][0], want, np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd)), "grouped_linear")
+    for k in ("grouped", "grouped_small"):
+        assert out[k][0].shape == want.shape
+        assert_sum_close(out[k][0], want, np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd)), k)
     qd, iwd, kd = q.double().numpy(), iw.double().numpy(), keys.double().numpy()
     dots = np.einsum("bthd,brd->bthr", qd, kd)
     want = (np.maximum(dots, 0) * iwd[..., None]).sum(2)

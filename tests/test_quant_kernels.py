@@ -179,6 +179,8 @@ def _linear_cases() -> dict:
         "fp8_fnuz_m20": (_Fn(fp8_block_linear, w_nz, s_nz), x(4, 5, 384).float()),
         "fp8_stacked_m20": (_Fn(fp8_block_linear_stacked, torch.stack([_fp8_weight(128, 256) for _ in range(2)]),
                                 e8(2, 1, 2)), x(2, 20, 256).float()),
+        # 3 rows: static, kernel_small_rows pads them to 8
+        "fp8_m3": (_Fn(fp8_block_linear, _fp8_weight(256, 384), e8(2, 3)), x(1, 3, 384)),
         # exactly 16 rows: kernel_rows16 still pads (to 32), so its pad never folds away
         "fp8_m16": (_Fn(fp8_block_linear, _fp8_weight(256, 384), e8(2, 3)), x(4, 4, 384)),
         # 4 experts, blocks naming 2, 0, 2 (a repeat, two never read) as the routed MoE's sel does
@@ -205,16 +207,20 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16",
+                                  "kernel_small_rows"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
     if impl in ("kernel_fp8", "kernel_rows16"):  # FP8-only GEMM forms (rows16: padded rows)
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
+    elif impl == "kernel_small_rows":  # fp8_block_linear only: 3 static rows padded to 8, 10 rows as "kernel"
+        cases = {k: cases[k] for k in ("fp8", "fp8_m3")}
     elif impl in ("kernel_bf16", "kernel_f32"):  # FP8 and MXFP4 forms (the gathered MXFP4 one has neither)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
     # rows16 pads the rows of the static-row (decode) form: static shapes (10 rows -> 16, 16 and 20 -> 32)
-    mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if impl == "kernel_rows16" else ())
-    if impl == "kernel_rows16":
+    padded = impl in ("kernel_rows16", "kernel_small_rows")
+    mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if padded else ())
+    if padded:
         assert "tensor.pad" in mlir.read_text()
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():

@@ -67,6 +67,13 @@ _MLIR = "quant.mlir.jinja"  # one template for the quantized linears (and the qd
 # so every row count runs one GPU GEMM schedule and a row's sums do not depend on the batch
 # (`dsv4 export --batch-invariant`; docs/numerics.md)
 _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
+# "kernel_small_rows" (the FP8 linears, f32_linear, grouped_linear; a GPU-only export's default, export/lowering.py):
+# 2 to 4 static rows (a verify call's 1 + K tokens of one request, decode at batch 2-4) zero-padded to 8. IREE
+# 3.13 compiles such a GEMM for cuda and gfx942 as one K-reduction per output element, which on the H100 made
+# a one-row Flash-4 verify call (2 rows) 114 ms against 15.6 ms padded (docs/performance.md); 5 rows and more
+# take the matrix cores, one row is a GEMV. llvm-cpu keeps the unpadded form: padded, its decode_bs4 no
+# longer agreed bit for bit with decode_bs1 (tests/test_batch_invariance.py, the embedded default)
+SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
 # an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)
@@ -147,7 +154,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants=_GEMMS, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only})
+        mlir_variants={**_GEMMS, **SMALL_ROWS}, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (docs/model.md, Reference numerics).
 
@@ -176,7 +183,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
 
 @kernel("f32_linear", args={"x": "..., K", "weight": "N, K"}, results={"y": "..., N"}, static=("N", "K"),
         dtypes={"x": _F, "weight": _F}, result_dtypes={"y": torch.float32}, mlir="dense.mlir.jinja",
-        mlir_variants=_ROWS16, trace_sizes=("...",))
+        mlir_variants={**_ROWS16, **SMALL_ROWS}, trace_sizes=("...",))
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T in float32 for a float weight: the router gate, the compressors' projections and the
     mHC mixes, which the reference runs in fp32 on a bf16 activation. The kernel keeps the operands
@@ -186,7 +193,8 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @kernel("grouped_linear", args={"x": "..., G, K", "weight": "G, N, K"}, results={"y": "..., G, N"},
-        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", trace_sizes=("...",))
+        static=("G", "N", "K"), dtypes={"x": _F, "weight": _F}, mlir="grouped.mlir.jinja", mlir_variants=SMALL_ROWS,
+        trace_sizes=("...",))
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[..., g, :] = x[..., g, :] @ weight[g]^T in x's dtype (the attention's grouped output projection
     wo_a, docs/model.md, Forward pass): x [..., G, K], weight [G, N, K] of x's dtype. The kernel sums in
