@@ -24,20 +24,16 @@ lower ids, this keeps every tied token) and, for top-p, where float32 and float6
 different sides of top_p. Counts and sums run in float32: the GPU backends fail on int64
 reductions (kernels/topk.py).
 
-Every vocabulary-long reduction runs in two levels, over the row cut into pieces of PIECE tokens (a
-power of two; the tail padded): a GPU gives each (row, piece) its own workgroup, where a row-long
-reduction gets one workgroup per row (measured on the H200 with the sampler alone at Flash's
-vocabulary: docs/performance.md). The pieces' length is a power of two and the threshold searches
-compare int32 keys because IREE 3.13 reduces such a piece across a subgroup (warp shuffles); a piece
-of 1,010 tokens (Flash's vocabulary in 128 pieces) or of int64 keys became one thread looping over the
-piece, 0.27 ms per count on the H100 (docs/performance.md, What a one-row verify still spends).
+Every vocabulary-long reduction runs in two levels, over the row cut into up to PIECES pieces: a GPU
+gives each (row, piece) its own workgroup, where a row-long reduction gets one workgroup per row
+(measured on the H200 with the sampler alone at Flash's vocabulary: docs/performance.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels.topk import _order_key32
+from .kernels.topk import _order_key
 
 __all__ = ["sample", "kept", "gumbel", "hash_uniform", "all_finite", "first_argmax"]
 
@@ -76,18 +72,18 @@ def hash_uniform(key: torch.Tensor, n: int) -> torch.Tensor:
     return (_shr(h, 9).float() + 0.5) * (1.0 / 2**23)
 
 
-PIECE = 1024  # tokens per piece of a vocabulary-long reduction (Flash's 129,280: 127 pieces, the last padded)
+PIECES = 128  # Flash's vocabulary, 129,280 = 128 x 1,010
 RADIX_BITS = 4
 
 
 def _pieces(x: torch.Tensor, fill: float) -> torch.Tensor:
-    """[R, V] -> [R, P, L], the tail padded with `fill`: L = PIECE, or the power of two at or above V
-    when V is smaller; P = ceil(V / L)."""
+    """[R, V] -> [R, P, ceil(V / P)], the tail padded with `fill`: P = PIECES, fewer for a vocabulary
+    under 64 x PIECES (pieces of at least 64)."""
     r, v = x.shape
-    n = min(PIECE, 1 << max(0, v - 1).bit_length())
-    if v % n:
-        x = torch.nn.functional.pad(x, (0, n - v % n), value=fill)
-    return x.reshape(r, -1, n)
+    p = max(1, min(PIECES, v // 64))
+    if v % p:
+        x = torch.nn.functional.pad(x, (0, p - v % p), value=fill)
+    return x.reshape(r, p, -1)
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +96,7 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
 
 def first_argmax(x: torch.Tensor, two_level: bool = True) -> torch.Tensor:
     """torch.argmax(x, -1, keepdim=True) (the first maximal index, [R, 1]) as a max and a min reduction,
-    each in two levels over pieces of PIECE tokens (one workgroup per row would read the whole vocabulary);
+    each in two levels over PIECES pieces (one workgroup per row would read the whole vocabulary);
     `two_level=False`: one level each.
 
     Why not aten.argmax: IREE 3.13's gfx942 backend fails on it ("'func.func' op failed to
@@ -122,24 +118,20 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
 
 
 def _threshold(key: torch.Tensor, weight: torch.Tensor, need: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per row, the largest key t (int32 [R, 1]) with sum(weight[key >= t]) >= need[row] (key: int32
-    order keys [R, V], any int32 for bits = 32 (signed order, _order_key32), else in [0, 2^bits);
-    weight float32 [R, V] >= 0; need float32 [R, 1]); the lowest key (-2^31, or 0) when no t
-    qualifies. The search runs over t - lowest in [0, 2^bits), RADIX_BITS bits a round from the top:
-    the sum falls as t grows, so the largest digit whose candidate still qualifies is the count of
-    candidates that do (one [R, digits] reduction)."""
-    low = -(2**31) if bits == 32 else 0
-    kp, wp = _pieces(key, low), _pieces(weight, 0.0)  # padding: never >= a candidate (all > low), no weight
-    t = torch.zeros_like(key[:, :1], dtype=torch.int64)  # t - low
+    """Per row, the largest t in [0, 2^bits) with sum(weight[key >= t]) >= need[row] (key: order keys,
+    int64 [R, V]; weight float32 [R, V] >= 0; need float32 [R, 1]); 0 when no t qualifies.
+    RADIX_BITS bits a round from the top: the sum falls as t grows, so the largest digit whose
+    candidate still qualifies is the count of candidates that do (one [R, digits] reduction)."""
+    kp, wp = _pieces(key, -1), _pieces(weight, 0.0)  # padding: never >= a candidate (all >= 1), no weight
+    t = torch.zeros_like(key[:, :1])
     hi = bits
     while hi > 0:
         lo = hi - (hi % RADIX_BITS or RADIX_BITS)
-        c = t + torch.arange(1, 2 ** (hi - lo), dtype=torch.int64, device=key.device) * 2 ** lo  # [R, digits]
-        c32 = (c + low).to(torch.int32)
-        s = torch.where(kp[:, None] >= c32[:, :, None, None], wp[:, None], 0.0).sum(-1).sum(-1)
+        c = t + torch.arange(1, 2 ** (hi - lo), dtype=key.dtype, device=key.device) * 2 ** lo  # [R, digits]
+        s = torch.where(kp[:, None] >= c[:, :, None, None], wp[:, None], 0.0).sum(-1).sum(-1)
         t = t + (s >= need).float().sum(-1, keepdim=True).long() * 2 ** lo
         hi = lo
-    return (t + low).to(torch.int32)
+    return t
 
 
 def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -155,13 +147,13 @@ def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     # top-k: the k-th largest order key; every token at or above it stays
     k = top_k.reshape(n, 1)
     k = torch.where(torch.logical_and(k > 0, k < v), k, v).float()
-    ks = _order_key32(xs)
+    ks = _order_key(xs)
     keep = ks >= _threshold(ks, torch.ones_like(xs), k, 32)
     # top-p over the renormalised top-k set: probabilities >= 0 order as their float32 bits
     p = torch.where(keep, torch.exp(xs - _row_max(xs)), 0.0)
     tp = top_p.float().reshape(n, 1)
     need = tp * _row_sum(p)
-    pk = p.view(torch.int32)  # p >= 0 (no -0.0): its bits order as its value, in [0, 2^31)
+    pk = _order_key(p) - 2**31  # [0, 2^31) for p >= 0
     keep = torch.logical_and(keep, torch.logical_or(tp >= 1.0, pk >= _threshold(pk, p, need, 31)))
     return xs, keep, hot
 
