@@ -193,13 +193,17 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     ws, ss, wsd = zip(*[fp8_weight(256, 256) for _ in range(2)])
     x = torch.from_numpy(RNG.standard_normal((3, 256)).astype(np.float32))
     xs = torch.from_numpy(RNG.standard_normal((2, 3, 256)).astype(np.float32))
-    cases = {"lin": (fp8_block_linear, (w, s), [x], {"fp8_block_linear": form})}
+    cases = {"lin": (fp8_block_linear, (w, s), [x], {"fp8_block_linear": form}),
+             # one row: the decode GEMV (a matvec in the "kernel" form)
+             "lin1": (fp8_block_linear, (w, s), [x[:1]], {"fp8_block_linear": form})}
     if form in ("kernel", "kernel_fp8"):
         cases["stacked"] = (fp8_block_linear_stacked, (torch.stack(ws), torch.stack(ss)), [xs],
                             {"fp8_block_linear_stacked": form})
     out = build(cases, kernel_compile, tmp_path, f"quant-fp8-{form}")
     xq = block_qdq(x.double().numpy(), 128, fp4=False)
     assert_sum_close(out["lin"][0], xq @ wd.T, np.abs(xq) @ np.abs(wd).T, f"fp8_block_linear[{form}]")
+    assert out["lin1"][0].shape == (1, 256)
+    assert_sum_close(out["lin1"][0], xq[:1] @ wd.T, np.abs(xq[:1]) @ np.abs(wd).T, f"fp8_block_linear[{form}], one row")
     if "stacked" in out:
         for e in range(2):
             xq = block_qdq(xs[e].double().numpy(), 128, fp4=False)
@@ -216,7 +220,10 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
     xg = torch.from_numpy(RNG.standard_normal((3, 2, 256)).astype(np.float32))
     sel = torch.tensor([1, 0, 1])
     cases = {"lin": (mxfp4_linear, (p, s), [x], {"mxfp4_linear": form}),
-             "stacked": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs], {"mxfp4_linear_stacked": form})}
+             "stacked": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs], {"mxfp4_linear_stacked": form}),
+             # one row per expert (decode's gathered pairs: a batch matvec in the bf16 form)
+             "stacked1": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs[:, :1]],
+                          {"mxfp4_linear_stacked": form})}
     if form == "kernel":
         cases["gathered"] = (lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel), (torch.stack(ps), torch.stack(ss)),
                              [xg, sel], {"mxfp4_linear_gathered": "kernel"})
@@ -229,6 +236,8 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
     check(out["lin"][0], x, wd, f"mxfp4_linear[{form}]")
     for e in range(2):
         check(out["stacked"][0][e], xs[e], wsd[e], f"mxfp4_linear_stacked[{form}][{e}]")
+        assert out["stacked1"][0][e].shape == (1, 64)
+        check(out["stacked1"][0][e], xs[e, :1], wsd[e], f"mxfp4_linear_stacked[{form}][{e}], one row")
     if "gathered" in out:
         for g in range(3):
             check(out["gathered"][0][g], xg[g], wsd[int(sel[g])], f"mxfp4_linear_gathered[{g}]")
@@ -248,7 +257,11 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
         "dense16": (f32_linear, (w,), [x], {"f32_linear": "kernel_rows16"}),
         # 3 static rows: padded to 8 (the GPU-only form)
         "dense_small": (f32_linear, (w,), [x], {"f32_linear": "kernel_small_rows"}),
+        # one row (a GEMV): the plain GEMM and the three-term split
+        "dense1": (f32_linear, (w,), [x[:1]], {"f32_linear": "kernel"}),
+        "split1": (lambda x, w: f32_linear(x.bfloat16(), w), (ws,), [x[:1]], {"f32_linear": "kernel"}),
         "grouped_small": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel_small_rows"}),
+        "grouped1": (grouped_linear, (wg,), [xg[:1]], {"grouped_linear": "kernel"}),  # one row: a batch matvec
         # a bf16 activation and an f32 weight: the three-bf16-term split, its 3 x 24 = 72 rows padded to 80
         "split": (lambda x, w: f32_linear(x.bfloat16(), w), (ws,), [x], {"f32_linear": "kernel"}),
         "grouped": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel"}),
@@ -260,11 +273,17 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     xb, wsd = x.bfloat16().double().numpy(), ws.double().numpy()  # the split is exact: f32 sums of exact products
     assert out["split"][0].shape == (3, 24)
     assert_sum_close(out["split"][0], xb @ wsd.T, np.abs(xb) @ np.abs(wsd).T, "split")
+    assert out["dense1"][0].shape == (1, 32) and out["split1"][0].shape == (1, 24)
+    assert_sum_close(out["dense1"][0], xd[:1] @ wd.T, np.abs(xd[:1]) @ np.abs(wd).T, "dense1")
+    assert_sum_close(out["split1"][0], xb[:1] @ wsd.T, np.abs(xb[:1]) @ np.abs(wsd).T, "split1")
     xgd, wgd = xg.double().numpy(), wg.double().numpy()
     want = np.einsum("tgk,gnk->tgn", xgd, wgd)
+    mag = np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd))
     for k in ("grouped", "grouped_small"):
         assert out[k][0].shape == want.shape
-        assert_sum_close(out[k][0], want, np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd)), k)
+        assert_sum_close(out[k][0], want, mag, k)
+    assert out["grouped1"][0].shape == want[:1].shape
+    assert_sum_close(out["grouped1"][0], want[:1], mag[:1], "grouped1")
     qd, iwd, kd = q.double().numpy(), iw.double().numpy(), keys.double().numpy()
     dots = np.einsum("bthd,brd->bthr", qd, kd)
     want = (np.maximum(dots, 0) * iwd[..., None]).sum(2)

@@ -239,7 +239,7 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
-        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, alternatives={"weight_only": _mxfp4_weight_only})
+        mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, trace_sizes=("M",), alternatives={"weight_only": _mxfp4_weight_only})
 def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear per expert: x [E, M, K], packed [E, N, K/2], scale [E, N, K/32] -> [E, M, N] in x.dtype."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_stacked")
