@@ -681,7 +681,7 @@ def profile_lines(kind: str, p: dict[str, Any]) -> list[str]:
     if not p["available"]:
         return [f"per-dispatch profile of {kind}: unavailable ({p['why']})"]
     rows = f"batch {p['batch']}" + (f" x {p['tokens']} tokens" if kind != "decode" else "")
-    out = [f"per-dispatch profile, {p.get('function', kind)} {rows}, via {p['via']}, {p['calls']} calls: "
+    out = [f"per-dispatch profile, {kind} {rows}, via {p['via']}, {p['calls']} calls: "
            f"{p['dispatches_per_step']:.0f} dispatches and {p['device_ms_per_step']:.3f} ms of dispatch time per call; top 10:"]
     out += [f"  {k['ms_per_step']:8.4f} ms {100 * k['share']:5.1f}% x{k['calls_per_step']:<4.0f} {k['name'][:100]}"
             for k in p["top"]]

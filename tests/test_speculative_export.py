@@ -320,3 +320,18 @@ def test_engine_and_cli_speculative_give_plain_greedy_tokens(spec_export, capsys
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == plain[1].tokens
     assert out["decode_calls"] == 9 - out["accepted"] and out["acceptance_rate"] == out["accepted"] / out["drafted"]
+
+
+def test_verify_cost_profiles_a_decode_and_a_verify_call(spec_export):
+    """`python -m dsv4.bench.verify_cost --profile`: IREE's HAL profiling (host-execution on local-task)
+    of decode_bs{N} and verify_bs{N}_k{K}, fed the verify's sampling arguments; a verify call of 1 + K
+    tokens runs more dispatches than a decode call of one."""
+    from dsv4.bench.verify_cost import profile
+
+    got = profile(str(spec_export), "local-task", [1, 3], context=8)
+    assert [k for k, _ in got] == ["decode", "verify", "decode", "verify"]
+    for (kind, p), n in zip(got, (1, 1, 3, 3)):
+        assert p["available"], p
+        assert p["function"] == (f"decode_bs{n}" if kind == "decode" else f"verify_bs{n}_k{K}")
+        assert p["tokens"] == (1 if kind == "decode" else 1 + K) and p["calls"] >= 1 and p["top"]
+    assert got[1][1]["dispatches_per_step"] > got[0][1]["dispatches_per_step"]
