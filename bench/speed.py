@@ -42,7 +42,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from dsv4.bench.traffic import datasheet_peak, expected_distinct, step_bytes
-from dsv4.contract.artifact import TensorSpec, whole_inventory
+from dsv4.contract.artifact import TensorSpec, verify_name, whole_inventory
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "row_prompts", "copy_bandwidth", "main",
            "TORCH_BACKENDS", "BenchError", "dispatch_profile", "kernel_table", "profile_lines", "device_name"]
@@ -355,7 +355,7 @@ def dispatch_profile(eng: Any, device: str, kind: str, batch: int, tokens: int, 
               f"--input=@{workdir / 'slots.npy'}"]
     function = f"{kind}_bs{batch}"
     if kind == "verify":  # greedy rows: temperature 0, top_k 0, top_p 1, key 0
-        function = f"verify_bs{batch}_k{tokens - 1}"
+        function = verify_name(batch, tokens - 1)
         inputs += [f"--input={batch}xf32=0", f"--input={batch}xi64=0", f"--input={batch}xf32=1",
                    f"--input={batch}xi64=0"]
     inputs += [f"--input={'x'.join(map(str, s.shape))}x{_SPLAT_TYPES[s.dtype]}=0" for s in cfg.state]

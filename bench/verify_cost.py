@@ -25,19 +25,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsv4.bench.speed import PROFILE_CALLS, dispatch_profile, profile_lines
+from dsv4.contract.artifact import verify_name
 
 
-def measure(export_dir: str, device: str, batch_sizes: Sequence[int], context: int, steps: int,
-            warmup: int = 3, seed: int = 0) -> list[dict[str, Any]]:
-    """Median ms per decode_bs{N} and per verify_bs{N}_k{K} call for each N in `batch_sizes`."""
-    from dsv4.contract.artifact import verify_name
+def open_export(export_dir: str, device: str) -> Any:
+    """The Engine of an export with verify entry points (SystemExit naming the flag otherwise)."""
     from dsv4.runtime.engine import Engine
 
     eng = Engine(export_dir, device=device)
-    spec = eng.config.speculative
-    if spec is None:
+    if eng.config.speculative is None:
         raise SystemExit(f"{export_dir} has no verify entry points: export it with --draft-tokens K")
-    k = int(spec["draft_tokens"])
+    return eng
+
+
+def measure(eng: Any, batch_sizes: Sequence[int], context: int, steps: int,
+            warmup: int = 3, seed: int = 0) -> list[dict[str, Any]]:
+    """Median ms per decode_bs{N} and per verify_bs{N}_k{K} call of `eng` (open_export) for each N in
+    `batch_sizes`."""
+    k = int(eng.config.speculative["draft_tokens"])
     rng = np.random.default_rng(seed)
     vocab = eng.config.vocab_size
     rows = []
@@ -67,20 +72,18 @@ def measure(export_dir: str, device: str, batch_sizes: Sequence[int], context: i
     return rows
 
 
-def profile(export_dir: str, device: str, batch_sizes: Sequence[int], context: int) -> list[tuple[str, dict[str, Any]]]:
-    """[(kind, dispatch_profile)] of decode_bs{N} and verify_bs{N}_k{K} for each N, zero state at `context`."""
+def profile(eng: Any, batch_sizes: Sequence[int], context: int) -> list[tuple[str, dict[str, Any]]]:
+    """[(kind, dispatch_profile)] of decode_bs{N} and verify_bs{N}_k{K} of `eng` (open_export) for each N,
+    zero state at `context`."""
     import tempfile
     from pathlib import Path
 
-    from dsv4.runtime.engine import Engine
-
-    eng = Engine(export_dir, device=device)
     k = int(eng.config.speculative["draft_tokens"])
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in batch_sizes:
             for kind, width in (("decode", 1), ("verify", 1 + k)):
-                out.append((kind, dispatch_profile(eng, device, kind, n, width, context, PROFILE_CALLS,
+                out.append((kind, dispatch_profile(eng, eng.device_name, kind, n, width, context, PROFILE_CALLS,
                                                    Path(tmp) / f"{kind}{n}")))
     return out
 
@@ -98,13 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",")]
-    rows = measure(a.export_dir, a.device, batches, a.context, a.steps)
+    eng = open_export(a.export_dir, a.device)
+    rows = measure(eng, batches, a.context, a.steps)
     print(f"{'batch':>5} {'K':>2} {'decode ms':>10} {'verify ms':>10} {'ratio':>6}   speed-up at acceptance 0.5 / 0.7 / 0.9")
     for r in rows:
         s = r["speedup"]
         print(f"{r['batch']:>5} {r['draft_tokens']:>2} {r['decode_ms']:>10.3f} {r['verify_ms']:>10.3f} "
               f"{r['ratio']:>6.2f}   {s['0.5']:.2f} / {s['0.7']:.2f} / {s['0.9']:.2f}")
-    profiles = profile(a.export_dir, a.device, batches, a.context) if a.profile else []
+    profiles = profile(eng, batches, a.context) if a.profile else []
     for kind, prof in profiles:
         print()
         print("\n".join(profile_lines(kind, prof)))

@@ -326,9 +326,9 @@ def test_verify_cost_profiles_a_decode_and_a_verify_call(spec_export):
     """`python -m dsv4.bench.verify_cost --profile`: IREE's HAL profiling (host-execution on local-task)
     of decode_bs{N} and verify_bs{N}_k{K}, fed the verify's sampling arguments; a verify call of 1 + K
     tokens runs more dispatches than a decode call of one."""
-    from dsv4.bench.verify_cost import profile
+    from dsv4.bench.verify_cost import open_export, profile
 
-    got = profile(str(spec_export), "local-task", [1, 3], context=8)
+    got = profile(open_export(str(spec_export), "local-task"), [1, 3], context=8)
     assert [k for k, _ in got] == ["decode", "verify", "decode", "verify"]
     for (kind, p), n in zip(got, (1, 1, 3, 3)):
         assert p["available"], p
