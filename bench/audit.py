@@ -555,7 +555,8 @@ class _Eager:
 
         torch, m = self.torch, self.model
         t, start, lengths, slots = self._args(tokens, pos)
-        b, rope = Batch.make(t, start, lengths, slots), rope_of(m)
+        b = Batch.make(t, start, lengths, slots)
+        rope = rope_of(m, b.pos)
 
         def streams(a: np.ndarray) -> Any:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, m.dtype)

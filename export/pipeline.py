@@ -83,7 +83,7 @@ class Stage(nn.Module):
                 state: dict[str, torch.Tensor], h: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         b = Batch.make(tokens, start_pos, lengths, slots)
-        rope = rope_of(self)
+        rope = rope_of(self, b.pos)
         if self.is_first:
             h = embed_streams(self.embed, tokens, self.cfg.hc_mult)
         elif h is None:

@@ -75,32 +75,64 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).to(x.dtype)
 
 
-def rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE on the trailing rd dims only (DeepSeek-V4 puts the rotary part last).
+def rope_features(cos: torch.Tensor, sin: torch.Tensor, D: int, rd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., rd/2] of the rope pairs -> [..., D]: feature d's pair's cos/sin for the trailing rd
+    (rope) features of D (DeepSeek-V4 puts the rotary part last); the nope features get pair 0's, which
+    `rotate_tail` never uses. The tail of a width-D table is the table of any narrower width with the
+    same rd: Attention expands its positions' pairs once per call and every rope of the call reads them."""
+    nope = D - rd
+    d = torch.arange(D, device=cos.device)
+    half = torch.where(d >= nope, d - nope, 0) // 2  # the rope pair of feature d (0 for the nope features)
+    return cos.index_select(-1, half), sin.index_select(-1, half)
+
+
+def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor, D: int,
+                     rd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_features` of the tables cos_t/sin_t [max_len, rd/2] at positions pos [B,T] (clamped to the
+    table), as one gather per table: the position gather and the feature expansion apart were two
+    dispatches per table."""
+    nope = D - rd
+    d = torch.arange(D, device=cos_t.device)
+    half = torch.where(d >= nope, d - nope, 0) // 2
+    p = pos.clamp(0, cos_t.shape[0] - 1)[..., None]
+    return cos_t[p, half], sin_t[p, half]
+
+
+def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor,
+                inverse: bool = False) -> torch.Tensor:
+    """RoPE on the trailing rd of x's D features [B,S,(H,)D], given the per-feature tables cos_f/sin_f
+    [B,S,W >= D] of `rope_features` (their last D features are used).
 
     The values of cat([x[..., :-rd], apply_rope(x[..., -rd:], ...)], -1), bit for bit (the same fp32
     products and sums per element), written as one elementwise expression over all D features: each
-    feature reads its pair partner and its pair's cos/sin by an index along the last dim. The cat of
-    slices and the stack of the two halves each made IREE materialize copies: ~8 dispatches per
-    call (5 calls per CSA layer) where this is one."""
+    feature reads its pair partner by an index along the last dim. The cat of slices and the stack of
+    the two halves each made IREE materialize copies: ~8 dispatches per call (5 calls per CSA layer)
+    where this is one."""
     D = x.shape[-1]
+    c, s = cos_f[..., -D:], sin_f[..., -D:]
     if x.dim() == 4:
-        cos, sin = cos[:, :, None], sin[:, :, None]
-    if inverse:
-        sin = -sin
+        c, s = c[:, :, None], s[:, :, None]
     nope = D - rd
     d = torch.arange(D, device=x.device)
     rope = d >= nope
-    half = torch.where(rope, d - nope, 0) // 2  # the rope pair of feature d (0 for the nope features)
     odd = torch.remainder(d - nope, 2)  # 0: x0 of its pair, 1: x1 (no xor: torch-mlir does not lower it)
     partner = torch.where(rope, d + 1 - 2 * odd, d)
     first = odd == 0
     xf = x.float()
     xp = xf.index_select(-1, partner)
-    c, s = cos.index_select(-1, half), sin.index_select(-1, half)
-    # x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos: apply_rope's operations in its operand order
-    rot = torch.where(first, xf * c - xp * s, xp * s + xf * c)
+    # x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos: apply_rope's operations in its operand order. The
+    # inverse (sin negated) is written with the signs flipped, exactly the same values (a - (-b) = a + b
+    # and (-b) + a = a - b in IEEE arithmetic): a negated table was one more dispatch per layer
+    if inverse:
+        rot = torch.where(first, xf * c + xp * s, xf * c - xp * s)
+    else:
+        rot = torch.where(first, xf * c - xp * s, xp * s + xf * c)
     return torch.where(rope, rot, xf).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the trailing rd dims of x [B,S,(H,)D] from the pairs' cos/sin [B,S,rd/2] (`rotate_tail`)."""
+    return rotate_tail(x, rd, *rope_features(cos, sin, x.shape[-1], rd), inverse)
 
 
 def fp8_nope(x: torch.Tensor, rd: int, block: int = 64) -> torch.Tensor:
@@ -165,6 +197,23 @@ def ring_update(old: torch.Tensor, fresh: torch.Tensor, start: torch.Tensor, len
     t = (q - start[:, None]).clamp(0, T - 1)
     picked = torch.gather(fresh, 1, t[..., None].expand(-1, -1, fresh.shape[-1]))
     return torch.where(has[..., None], picked, old)
+
+
+def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.Tensor, fresh: torch.Tensor,
+               start: torch.Tensor, lengths: torch.Tensor) -> None:
+    """state[slots, group] = ring_update(old, fresh, start, lengths), old being that ring before the call.
+    A call of a static T <= RS tokens per row (decode, verify) writes its token rows alone: row
+    (start + t) % RS takes fresh[t] for a real token t and old's row back for a padding one (the rows of
+    one call are distinct). The same ring; writing the whole ring was 3 to 4 dispatches per ring per call."""
+    RS, T = old.shape[1], fresh.shape[1]
+    g = torch.full_like(slots, group)
+    if not isinstance(T, int) or T > RS:
+        _set(state, (slots, g), ring_update(old, fresh, start, lengths))
+        return
+    t = torch.arange(T, device=fresh.device)[None, :]
+    rows = torch.remainder(start[:, None] + t, RS)  # [B,T]
+    vals = torch.where((t < lengths[:, None])[..., None], fresh, gather_rows(old, rows))
+    _set(state, (slots[:, None].expand(-1, T), g[:, None].expand(-1, T), rows), vals)
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -283,14 +332,12 @@ def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, 
     """Run compressor `comp` on the chunk and return the cache of state[kv] [B,R+1,F] as this call sees
     it (the entries the chunk completes included); writes (or defers, Batch.pending) the rings
     state[ring_k], state[ring_z] and the completed entries."""
-    g = torch.full_like(b.slots, group)
     old_k, old_z = _get(state[ring_k], b.slots, group), _get(state[ring_z], b.slots, group)
     ent, j, done, k, z = comp(x, b, old_k, old_z, cos, sin)
 
     def write(lengths: torch.Tensor) -> None:
-        new_k, new_z = ring_update(old_k, k, b.start, lengths), ring_update(old_z, z, b.start, lengths)
-        _set(state[ring_k], (b.slots, g), new_k)
-        _set(state[ring_z], (b.slots, g), new_z)
+        write_ring(state[ring_k], b.slots, group, old_k, k, b.start, lengths)
+        write_ring(state[ring_z], b.slots, group, old_z, z, b.start, lengths)
         if lengths is b.lengths:
             _write_entries(state[kv], b, group, ent, j, done)
             return
@@ -336,7 +383,7 @@ class Indexer(nn.Module):
         if aux is not None:  # training hook (see `aux`)
             x, qr = x.detach(), qr.detach()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rope_tail(q, self.rd, cos_q, sin_q)
+        q = rotate_tail(q, self.rd, cos_q, sin_q)
         q = quant_sim.hadamard(q)
         if self.quant_sim:
             q = quant_sim.fp4_qdq(q, 32)
@@ -389,7 +436,7 @@ class Attention(nn.Module):
         """The H query heads [B,T,H,D] from the q latent qr (normalized without weight, roped)."""
         q = self.wq_b(qr).unflatten(-1, (self.H, self.D))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
-        return rope_tail(q, self.rd, cos, sin)
+        return rotate_tail(q, self.rd, cos, sin)
 
     def attend(self, q: torch.Tensor, kvs: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
@@ -397,7 +444,7 @@ class Attention(nn.Module):
         projection wo_a: [B,T,G,o_lora] (wo_b follows on the flattened groups)."""
         B, T, H, D = q.shape
         o = sparse_attention(q, kvs, idx, self.attn_sink, self.scale)
-        o = rope_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
+        o = rotate_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
         o = o.reshape(B, T, self.G, H * D // self.G)
         wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
         return grouped_linear(o, wo_a)
@@ -406,14 +453,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         rd, W = self.rd, self.W
         cos_t, sin_t = rope["cos"], rope["sin"]
-        pos = b.pos.clamp(0, cos_t.shape[0] - 1)
-        cos, sin = cos_t[pos], sin_t[pos]
+        cos, sin = rope["cos_at"], rope["sin_at"]  # [B,T,D] per feature at b.pos (rope_of)
 
         qr = self.q_norm(self.wq_a(x))
         shards = self.head_shards
         q = self.queries(qr, cos, sin) if shards is None else None
 
-        kv = rope_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
         if self.quant_sim:
             kv = fp8_nope(kv, rd)
 
@@ -445,8 +491,7 @@ class Attention(nn.Module):
         o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
         out = self.wo_b(o.flatten(2))
 
-        b.write(lambda lengths: _set(state["win_kv"], (b.slots, torch.full_like(b.slots, st.window)),
-                                     ring_update(ring, kv, b.start, lengths)))
+        b.write(lambda lengths: write_ring(state["win_kv"], b.slots, st.window, ring, kv, b.start, lengths))
         return out
 
 
@@ -460,14 +505,21 @@ def _hc_mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     return f32_linear(x, fn) * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps)
 
 
-def _collapse(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """sum_i w[..., i] h[:, :, i] over the n streams h [B,T,n,d], fp32, added in stream order: the
-    values of (w[..., None] * h.float()).sum(2) (torch's CPU sum over that dim adds in index order),
-    as one elementwise expression. IREE compiled the multiply-sum as a matvec over a materialized f32
-    copy of h: two dispatches per collapse where this is one."""
-    y = w[..., 0, None] * h[:, :, 0].float()
+def _stream_weights(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float) -> list[torch.Tensor]:
+    """mHC's pre weights sigmoid(mix_i * scale + base_i) + eps, fp32, one [B,T,1] expression per stream i
+    of mix [B,T,n] (the values of the same expression over all n at once). Each is read by the collapse
+    alone, so IREE fuses it there; one [B,T,n] tensor read as n slices was a dispatch of its own."""
+    return [torch.sigmoid(mix[..., i:i + 1] * scale + base[i]) + eps for i in range(mix.shape[-1])]
+
+
+def _collapse(w: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """sum_i w[i] h[:, :, i] over the n streams h [B,T,n,d] with weights w[i] [B,T,1], fp32, added in
+    stream order: the values of (w[..., None] * h.float()).sum(2) (torch's CPU sum over that dim adds in
+    index order), as one elementwise expression. IREE compiled the multiply-sum as a matvec over a
+    materialized f32 copy of h: two dispatches per collapse where this is one."""
+    y = w[0] * h[:, :, 0].float()
     for i in range(1, h.shape[2]):
-        y = y + w[..., i, None] * h[:, :, i].float()
+        y = y + w[i] * h[:, :, i].float()
     return y
 
 
@@ -476,10 +528,9 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     """Collapse the n streams for a sub-layer; returns (input [B,T,d], post [B,T,n], comb [B,T,n,n])."""
     n = h.shape[2]
     mix = _hc_mix(h, fn, norm_eps)
-    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
+    pre = _stream_weights(mix[..., :n], scale[0], base[:n], eps)
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = hc_sinkhorn(comb.softmax(-1) + eps, iters, eps)
+    comb = hc_sinkhorn(mix, scale, base, n, iters, eps)
     return _collapse(pre, h).to(h.dtype), post, comb
 
 
@@ -504,14 +555,23 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             norm_eps: float) -> torch.Tensor:
     """Final sigmoid-weighted collapse of the streams (no Sinkhorn, no post)."""
     mix = _hc_mix(h, fn, norm_eps)
-    pre = torch.sigmoid(mix * scale + base) + eps
-    return _collapse(pre, h).to(h.dtype)
+    return _collapse(_stream_weights(mix, scale, base, eps), h).to(h.dtype)
 
 
-def rope_of(m: nn.Module) -> dict:
-    """{"window"|"compressed": {"cos", "sin"}}: the RoPE tables `m` holds as buffers rope_<kind>_<part>
-    (a Transformer, or a pipeline stage that registers the same buffers)."""
-    return {k: {"cos": getattr(m, f"rope_{k}_cos"), "sin": getattr(m, f"rope_{k}_sin")} for k in ("window", "compressed")}
+def rope_of(m: nn.Module, pos: torch.Tensor) -> dict:
+    """{"window"|"compressed": {"cos", "sin", "cos_at", "sin_at"}} for a call at positions pos [B,T]: the
+    RoPE tables [max_len, rd/2] `m` holds as buffers rope_<kind>_<part> (a Transformer, or a pipeline
+    stage that registers the same buffers), and their pairs at pos expanded per feature [B,T,head_dim]
+    (`rope_features`). The expansion is made once per call for every layer: made per layer, each rope
+    kind cost IREE ~5 gather dispatches per layer (the position gathers and the feature expansions,
+    each read by several ropes)."""
+    cfg = m.cfg
+    out = {}
+    for kind in ("window", "compressed"):
+        cos, sin = getattr(m, f"rope_{kind}_cos"), getattr(m, f"rope_{kind}_sin")
+        cos_at, sin_at = rope_features_at(cos, sin, pos, cfg.head_dim, cfg.qk_rope_head_dim)
+        out[kind] = {"cos": cos, "sin": sin, "cos_at": cos_at, "sin_at": sin_at}
+    return out
 
 
 def embed_streams(embed: nn.Embedding, tokens: torch.Tensor, n: int) -> torch.Tensor:
@@ -626,7 +686,7 @@ class Transformer(nn.Module):
 
     def streams(self, b: Batch, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """`hidden` of a Batch (whose `pending` may defer the state writes)."""
-        rope = rope_of(self)
+        rope = rope_of(self, b.pos)
         h = embed_streams(self.embed, b.tokens, self.cfg.hc_mult)
         for i, layer in enumerate(self.layers):
             h = layer(h, b, self.layout.layers[i], state, rope, b.tokens)
@@ -655,7 +715,7 @@ class Transformer(nn.Module):
         blk = self.mtp[k]
         e = blk.enorm(self.embed(b.tokens))
         x = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).to(self.dtype)
-        return blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, rope_of(self), b.tokens)
+        return blk(x, b, self.layout.layers[self.cfg.n_layers + k], state, rope_of(self, b.pos), b.tokens)
 
     def mtp_head(self, x: torch.Tensor, lengths: torch.Tensor, all_logits: bool, k: int = 0) -> torch.Tensor:
         """fp32 logits of MTP block k's streams x (its own hc_head and norm, the shared head)."""

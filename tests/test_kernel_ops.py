@@ -138,6 +138,15 @@ class Qdq(nn.Module):
         return self.fn(x, *self.extra)
 
 
+class Sinkhorn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.base = nn.Parameter(_r(3) + 1), nn.Parameter(_r(24))
+
+    def forward(self, mix):
+        return hc_sinkhorn(mix, self.scale, self.base, 4, 20, 1e-6)
+
+
 class Norm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -185,7 +194,7 @@ def _cases() -> dict:
         "fp8_qdq": (lambda: Qdq(fp8_qdq, 64), (_r(2, T, 4, 128) * 10,), (1,)),
         "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
         "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),
-        "hc_sinkhorn": (lambda: Qdq(hc_sinkhorn, 20, 1e-6), ((_r(2, T, 4, 4) * 3).softmax(-1) + 1e-6,), (1,)),
+        "hc_sinkhorn": (Sinkhorn, (_r(2, T, 24) * 3,), (1,)),
         # order keys with many exact ties (rounded scores), rows dynamic
         "radix_threshold": (lambda: Qdq(radix_threshold, 5), (_order_key(_r(T, 40).round()),), (0,)),
         "fusion_barrier": (Barrier, (_r(2, T, 40),), (1,)),

@@ -292,7 +292,11 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
 
 
 def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
-    comb = torch.from_numpy(RNG.uniform(0.05, 3.0, (3, 4, 4)).astype(np.float32))
+    # mHC mixing logits [B, T, (2+n)n] with n = 4, rows of large logits (the softmax's max shift) among them
+    mix = torch.from_numpy(RNG.standard_normal((2, 3, 24)).astype(np.float32) * 2)
+    mix[1, 2, 8:] += 80.0
+    scale = torch.tensor([0.7, 1.3, 0.9])
+    base = torch.from_numpy(RNG.standard_normal(24).astype(np.float32))
     q = torch.from_numpy(RNG.standard_normal((1, 2, 4, 32)).astype(np.float32))
     kv = torch.from_numpy(RNG.standard_normal((1, 16, 32)).astype(np.float32))
     idx = torch.tensor([[[3, 0, 15, -1, 7, 7], [-1, -1, 2, 9, 11, 4]]])
@@ -308,7 +312,7 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
     out = build({
         "norm": (lambda x, w: rms_norm(x, w, 1e-6), (wn,), [xn], {"rms_norm": "kernel"}),
         "norm_bf16": (lambda x, w: rms_norm(x.bfloat16(), w, 1e-6).float(), (wn,), [xn], {"rms_norm": "kernel"}),
-        "mhc": (lambda c: hc_sinkhorn(c, 20, 1e-6), (), [comb], {"hc_sinkhorn": "kernel"}),
+        "mhc": (lambda m, s, b: hc_sinkhorn(m, s, b, 4, 20, 1e-6), (), [mix, scale, base], {"hc_sinkhorn": "kernel"}),
         "attn": (lambda q, kv, idx, sink: sparse_attention(q, kv, idx, sink, 0.17), (), [q, kv, idx, sink],
                  {"sparse_attention": "kernel"}),
         "radix": (lambda k: radix_threshold(k, 5), (), [key], {"radix_threshold": "kernel"}),
@@ -322,7 +326,9 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
         # f32: a few roundings of the sum and the root; bf16: one rounding of the result (2^-8 relative)
         rtol = 1e-5 if name == "norm" else 2.0**-8
         np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-30, err_msg=name)
-    c = comb.double().numpy()
+    logits = (mix.double().numpy()[..., 8:] * scale.double().numpy()[2] + base.double().numpy()[8:]).reshape(*mix.shape[:-1], 4, 4)
+    c = np.exp(logits - logits.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + 1e-6
     c = c / (c.sum(-2, keepdims=True) + 1e-6)
     for _ in range(19):
         c = c / (c.sum(-1, keepdims=True) + 1e-6)

@@ -9,7 +9,7 @@ from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.model import (Batch, Compressor, _collapse, apply_rope, fp8_nope, rope_tail, hc_head, hc_post, hc_pre, init_random, pad_selection,
+from dsv4.model.model import (Batch, Compressor, _collapse, _stream_weights, apply_rope, fp8_nope, ring_update, rope_features_at, rope_tail, rotate_tail, write_ring, hc_head, hc_post, hc_pre, init_random, pad_selection,
                               rope_table)
 from dsv4.model.moe import Gate, MoE
 
@@ -198,6 +198,35 @@ def test_rope_tail_is_cat_of_nope_and_roped_tail(dtype):
             got = rope_tail(x, rd, cos[pos], sin[pos], inverse)
             assert got.dtype == dtype and torch.equal(got, want), (shape, inverse)
             assert torch.equal(got[..., :-rd], x[..., :-rd])  # the nope features pass through
+            # the per-call form: the tables gathered once at a wider width (out-of-table positions
+            # clamped), every rope reading its last D features
+            pos_far = torch.where(pos % 5 == 0, pos + 64, pos)
+            cf, sf = rope_features_at(cos, sin, pos_far, 40, rd)
+            near = pos_far.clamp(max=63)
+            want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[near], sin[near], inverse)], -1)
+            assert torch.equal(rotate_tail(x, rd, cf, sf, inverse), want), (shape, inverse)
+
+
+def test_write_ring_leaves_the_ring_of_ring_update():
+    """write_ring (token rows alone for a static T <= RS) leaves each slot's ring as the whole-ring
+    write of ring_update does: ring slot s holds the latest real token at a position = s mod RS, else
+    the old row; rows of length 0, padding, wrapping and a chunk longer than the ring."""
+    g = torch.Generator().manual_seed(11)
+    RS, F, n_slots, n_groups = 8, 5, 6, 3
+    for T in (1, 2, 8, 13):
+        for trial in range(4):
+            B = 4
+            state = torch.randn(n_slots, n_groups, RS, F, generator=g)
+            slots = torch.randperm(n_slots, generator=g)[:B]
+            start = torch.randint(0, 40, (B,), generator=g)
+            lengths = torch.randint(0, T + 1, (B,), generator=g)
+            lengths[0] = T
+            old = state.flatten(0, 1)[slots * n_groups + 1]
+            fresh = torch.randn(B, T, F, generator=g)
+            want = state.clone()
+            want[slots, 1] = ring_update(old, fresh, start, lengths)
+            write_ring(state, slots, 1, old, fresh, start, lengths)
+            assert torch.equal(state, want), (T, trial)
 
 
 def test_fp8_nope_is_cat_of_qdq_nope_and_tail():
@@ -216,13 +245,18 @@ def test_fp8_nope_is_cat_of_qdq_nope_and_tail():
 
 
 def test_stream_collapse_is_the_weighted_sum():
-    """_collapse (hc_pre / hc_head's weighted sum of the streams, one elementwise expression for the
-    export) gives the values of (w[..., None] * h.float()).sum(2) bit for bit, at decode and prefill shapes."""
+    """_stream_weights and _collapse (hc_pre / hc_head's sigmoid weights and weighted sum of the streams,
+    one expression per stream for the export) give the values of sigmoid(mix * scale + base) + eps and
+    (w[..., None] * h.float()).sum(2) bit for bit, at decode and prefill shapes."""
     g = torch.Generator().manual_seed(5)
     for B, T, n, d in ((1, 1, 4, 4096), (8, 1, 4, 256), (2, 37, 4, 64), (1, 3, 2, 5)):
         h = (torch.randn(B, T, n, d, generator=g) * 7).bfloat16()
-        w = torch.sigmoid(torch.randn(B, T, n, generator=g)) + 1e-6
-        assert torch.equal(_collapse(w, h), (w[..., None] * h.float()).sum(2)), (B, T, n, d)
+        mix, base, scale = torch.randn(B, T, n, generator=g), torch.randn(n, generator=g), torch.rand(1, generator=g)
+        parts = _stream_weights(mix, scale, base, 1e-6)
+        w = torch.cat(parts, -1)
+        # torch's CPU sigmoid of one stream's strided slice and of all n at once may round apart by an ulp
+        torch.testing.assert_close(w, torch.sigmoid(mix * scale + base) + 1e-6, rtol=2.5e-7, atol=0)
+        assert torch.equal(_collapse(parts, h), (w[..., None] * h.float()).sum(2)), (B, T, n, d)
 
 # ---------------------------------------------------------------------------------------- attention
 

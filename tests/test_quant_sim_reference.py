@@ -223,7 +223,7 @@ def test_layer_with_quant_sims_matches_float64_reference(captured, ratio):
     cfg, model, seen = captured
     i = next(i for i, blk in enumerate(model.layers) if blk.attn.ratio == ratio)
     blk = model.layers[i]
-    kind = rope_of(model)[blk.rope_kind]
+    kind = rope_of(model, torch.zeros(1, 1, dtype=torch.long))[blk.rope_kind]
     cos, sin = kind["cos"].double(), kind["sin"].double()
     x = seen[i]["x"][0].double()
     on = ref_attention(blk.attn, x, cfg, cos, sin, quant=True)
