@@ -80,10 +80,14 @@ def rope_features(cos: torch.Tensor, sin: torch.Tensor, D: int, rd: int) -> tupl
     (rope) features of D (DeepSeek-V4 puts the rotary part last); the nope features get pair 0's, which
     `rotate_tail` never uses. The tail of a width-D table is the table of any narrower width with the
     same rd: Attention expands its positions' pairs once per call and every rope of the call reads them."""
-    nope = D - rd
-    d = torch.arange(D, device=cos.device)
-    half = torch.where(d >= nope, d - nope, 0) // 2  # the rope pair of feature d (0 for the nope features)
+    half = _feature_pairs(D, rd, cos.device)
     return cos.index_select(-1, half), sin.index_select(-1, half)
+
+
+def _feature_pairs(D: int, rd: int, device: torch.device) -> torch.Tensor:
+    """[D] the rope pair of each feature of D whose trailing rd are roped (0 for the nope features)."""
+    d = torch.arange(D, device=device)
+    return torch.where(d >= D - rd, d - (D - rd), 0) // 2
 
 
 def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor, D: int,
@@ -91,17 +95,17 @@ def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor
     """`rope_features` of the tables cos_t/sin_t [max_len, rd/2] at positions pos [B,T] (clamped to the
     table), as one gather per table: the position gather and the feature expansion apart were two
     dispatches per table."""
-    nope = D - rd
-    d = torch.arange(D, device=cos_t.device)
-    half = torch.where(d >= nope, d - nope, 0) // 2
+    half = _feature_pairs(D, rd, cos_t.device)
     p = pos.clamp(0, cos_t.shape[0] - 1)[..., None]
     return cos_t[p, half], sin_t[p, half]
 
 
-def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor,
-                inverse: bool = False) -> torch.Tensor:
+def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor, inverse: bool = False,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on the trailing rd of x's D features [B,S,(H,)D], given the per-feature tables cos_f/sin_f
-    [B,S,W >= D] of `rope_features` (their last D features are used).
+    [B,S,W >= D] of `rope_features` (their last D features are used). `scale` [B,S,(H,)1] (x's dtype):
+    rotate x * scale, with the product taken inside the expression (of each feature and of its pair
+    partner: the same values), so IREE never writes the scaled x (the query heads' norm).
 
     The values of cat([x[..., :-rd], apply_rope(x[..., -rd:], ...)], -1), bit for bit (the same fp32
     products and sums per element), written as one elementwise expression over all D features: each
@@ -118,8 +122,10 @@ def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tens
     odd = torch.remainder(d - nope, 2)  # 0: x0 of its pair, 1: x1 (no xor: torch-mlir does not lower it)
     partner = torch.where(rope, d + 1 - 2 * odd, d)
     first = odd == 0
-    xf = x.float()
-    xp = xf.index_select(-1, partner)
+    xp = x.index_select(-1, partner)
+    if scale is not None:
+        x, xp = x * scale, xp * scale
+    xf, xp = x.float(), xp.float()
     # x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos: apply_rope's operations in its operand order. The
     # inverse (sin negated) is written with the signs flipped, exactly the same values (a - (-b) = a + b
     # and (-b) + a = a - b in IEEE arithmetic): a negated table was one more dispatch per layer
@@ -435,8 +441,8 @@ class Attention(nn.Module):
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The H query heads [B,T,H,D] from the q latent qr (normalized without weight, roped)."""
         q = self.wq_b(qr).unflatten(-1, (self.H, self.D))
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
-        return rotate_tail(q, self.rd, cos, sin)
+        norm = torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
+        return rotate_tail(q, self.rd, cos, sin, scale=norm)
 
     def attend(self, q: torch.Tensor, kvs: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:

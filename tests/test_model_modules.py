@@ -205,6 +205,11 @@ def test_rope_tail_is_cat_of_nope_and_roped_tail(dtype):
             near = pos_far.clamp(max=63)
             want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[near], sin[near], inverse)], -1)
             assert torch.equal(rotate_tail(x, rd, cf, sf, inverse), want), (shape, inverse)
+            # a row scale taken inside the expression: the rotation of x * scale
+            sc = (torch.rand(*shape[:-1], 1, generator=g) + 0.5).to(dtype)
+            xs = x * sc
+            want = torch.cat([xs[..., :-rd], apply_rope(xs[..., -rd:], cos[near], sin[near], inverse)], -1)
+            assert torch.equal(rotate_tail(x, rd, cf, sf, inverse, scale=sc), want), (shape, inverse)
 
 
 def test_write_ring_leaves_the_ring_of_ring_update():
