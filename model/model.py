@@ -75,26 +75,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).to(x.dtype)
 
 
-def rope_features(cos: torch.Tensor, sin: torch.Tensor, D: int, rd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., rd/2] of the rope pairs -> [..., D]: feature d's pair's cos/sin for the trailing rd
-    (rope) features of D (DeepSeek-V4 puts the rotary part last); the nope features get pair 0's, which
-    `rotate_tail` never uses. The tail of a width-D table is the table of any narrower width with the
-    same rd: Attention expands its positions' pairs once per call and every rope of the call reads them."""
-    half = _feature_pairs(D, rd, cos.device)
-    return cos.index_select(-1, half), sin.index_select(-1, half)
-
-
 def _feature_pairs(D: int, rd: int, device: torch.device) -> torch.Tensor:
-    """[D] the rope pair of each feature of D whose trailing rd are roped (0 for the nope features)."""
+    """[D] the rope pair of each feature of D whose trailing rd are roped (DeepSeek-V4 puts the rotary
+    part last; 0 for the nope features, whose cos/sin `rotate_tail` never uses)."""
     d = torch.arange(D, device=device)
     return torch.where(d >= D - rd, d - (D - rd), 0) // 2
 
 
 def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor, D: int,
                      rd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_features` of the tables cos_t/sin_t [max_len, rd/2] at positions pos [B,T] (clamped to the
-    table), as one gather per table: the position gather and the feature expansion apart were two
-    dispatches per table."""
+    """cos/sin of each feature's rope pair [B,T,D] at positions pos [B,T] (clamped to the table) from the
+    tables cos_t/sin_t [max_len, rd/2], the trailing rd of D features roped, as one gather per table:
+    the position gather and the feature expansion apart were two dispatches per table. The last D' <= D
+    features are the tables of width D' with the same rd, so Attention gathers its positions once per
+    call at head_dim and every rope of the call (the indexer's narrower queries too) reads them."""
     half = _feature_pairs(D, rd, cos_t.device)
     p = pos.clamp(0, cos_t.shape[0] - 1)[..., None]
     return cos_t[p, half], sin_t[p, half]
@@ -103,7 +97,7 @@ def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor
 def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor, inverse: bool = False,
                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on the trailing rd of x's D features [B,S,(H,)D], given the per-feature tables cos_f/sin_f
-    [B,S,W >= D] of `rope_features` (their last D features are used). `scale` [B,S,(H,)1] (x's dtype):
+    [B,S,W >= D] of `rope_features_at` (their last D features are used). `scale` [B,S,(H,)1] (x's dtype):
     rotate x * scale, with the product taken inside the expression (of each feature and of its pair
     partner: the same values), so IREE never writes the scaled x (the query heads' norm).
 
@@ -134,11 +128,6 @@ def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tens
     else:
         rot = torch.where(first, xf * c - xp * s, xp * s + xf * c)
     return torch.where(rope, rot, xf).to(x.dtype)
-
-
-def rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE on the trailing rd dims of x [B,S,(H,)D] from the pairs' cos/sin [B,S,rd/2] (`rotate_tail`)."""
-    return rotate_tail(x, rd, *rope_features(cos, sin, x.shape[-1], rd), inverse)
 
 
 def fp8_nope(x: torch.Tensor, rd: int, block: int = 64) -> torch.Tensor:
@@ -194,15 +183,16 @@ def ring_rows(q: torch.Tensor, start: torch.Tensor, ring: int, T: int) -> torch.
 
 
 def ring_update(old: torch.Tensor, fresh: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """New ring [B,RS,F]: slot s takes the latest real fresh token whose position is = s mod RS."""
+    """New ring [B,RS,...]: slot s takes the latest real fresh token [B,T,...] whose position is = s mod RS."""
     RS, T = old.shape[1], fresh.shape[1]
     s = torch.arange(RS, device=old.device)[None, :]
     last = (start + lengths - 1)[:, None]
     q = last - torch.remainder(last - s, RS)  # latest position <= last in slot s
     has = q >= start[:, None]
     t = (q - start[:, None]).clamp(0, T - 1)
-    picked = torch.gather(fresh, 1, t[..., None].expand(-1, -1, fresh.shape[-1]))
-    return torch.where(has[..., None], picked, old)
+    flat = fresh.flatten(2)
+    picked = torch.gather(flat, 1, t[..., None].expand(-1, -1, flat.shape[-1])).view(old.shape)
+    return torch.where(has.view(*has.shape, *[1] * (old.dim() - 2)), picked, old)
 
 
 def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.Tensor, fresh: torch.Tensor,
@@ -218,7 +208,8 @@ def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.
         return
     t = torch.arange(T, device=fresh.device)[None, :]
     rows = torch.remainder(start[:, None] + t, RS)  # [B,T]
-    vals = torch.where((t < lengths[:, None])[..., None], fresh, gather_rows(old, rows))
+    real = (t < lengths[:, None]).view(*rows.shape, *[1] * (fresh.dim() - 2))
+    vals = torch.where(real, fresh, gather_rows(old, rows))
     _set(state, (slots[:, None].expand(-1, T), g[:, None].expand(-1, T), rows), vals)
 
 
@@ -283,37 +274,38 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.hidden_size, c * hd, torch.float32)
         self.norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, b: Batch, ring_k: torch.Tensor, ring_z: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor):
-        """Returns (entries [B,E,hd], entry ids [B,E], completed [B,E], fresh K [B,T,c*hd], fresh Z+ape);
-        the caller writes the rings (ring_update) and the completed entries (`compressed_cache`)."""
+    def forward(self, x: torch.Tensor, b: Batch, ring: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """ring [B,RS,2,c*hd]: K (ring[:, :, 0]) and Z+ape (ring[:, :, 1]) of the last RS tokens before the
+        call. Returns (entries [B,E,hd], entry ids [B,E], completed [B,E], the fresh tokens' K and Z+ape
+        [B,T,2,c*hd]); the caller writes the ring (write_ring) and the completed entries
+        (`compressed_cache`). K and Z travel together: one ring read, one ring write and one gather per
+        window where apart each was two."""
         m, hd = self.ratio, self.hd
         B, T, _ = x.shape
-        RS = ring_k.shape[1]
+        RS = ring.shape[1]
         k = f32_linear(x, self.wkv.weight)
         z = f32_linear(x, self.wgate.weight) + self.ape[torch.remainder(b.pos, m)]
-        all_k, all_z = torch.cat([ring_k, k], 1), torch.cat([ring_z, z], 1)
+        kz = torch.stack([k, z], 2)
+        all_kz = torch.cat([ring, kz], 1)
 
         E = T // m + 1
         j = torch.div(b.start, m, rounding_mode="floor")[:, None] + torch.arange(E, device=x.device)
         done = (j + 1) * m <= (b.start + b.lengths)[:, None]
         cur = j[..., None] * m + torch.arange(m, device=x.device)  # [B,E,m] positions of window j
-        kc = gather_rows(all_k, ring_rows(cur, b.start, RS, T))
-        zc = gather_rows(all_z, ring_rows(cur, b.start, RS, T))
+        kzc = gather_rows(all_kz, ring_rows(cur, b.start, RS, T))  # [B,E,m,2,c*hd]
+        kc, zc = kzc[..., 0, :], kzc[..., 1, :]
         if self.overlap:
             prev = cur - m
             ok = (prev >= 0)[..., None]
-            kp = gather_rows(all_k, ring_rows(prev, b.start, RS, T))[..., :hd]
-            zp = gather_rows(all_z, ring_rows(prev, b.start, RS, T))[..., :hd]
-            kp = torch.where(ok, kp, 0.0)
-            zp = torch.where(ok, zp, float("-inf"))
+            kzp = gather_rows(all_kz, ring_rows(prev, b.start, RS, T))[..., :hd]
+            kp = torch.where(ok, kzp[..., 0, :], 0.0)
+            zp = torch.where(ok, kzp[..., 1, :], float("-inf"))
             kc = torch.cat([kp, kc[..., hd:]], 2)
             zc = torch.cat([zp, zc[..., hd:]], 2)
         pooled = (kc * zc.softmax(dim=2)).sum(2)  # [B,E,hd] fp32
 
         ent = self.norm(pooled.to(x.dtype))
-        jp = (j * m).clamp(max=cos.shape[0] - 1)
-        ent = rope_tail(ent, self.rd, cos[jp], sin[jp])
+        ent = rotate_tail(ent, self.rd, *rope_features_at(cos, sin, j * m, hd, self.rd))  # entry j at position jm
         if self.quant_sim:
             if self.rotate:  # indexer keys: Hadamard then FP4 over all dims
                 ent = quant_sim.fp4_qdq(quant_sim.hadamard(ent), 32)
@@ -321,7 +313,7 @@ class Compressor(nn.Module):
                 ent = fp8_nope(ent, self.rd)
         elif self.rotate:
             ent = quant_sim.hadamard(ent)
-        return ent, j, done, k, z
+        return ent, j, done, kz
 
 
 def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor, j: torch.Tensor,
@@ -333,17 +325,16 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
     _set(cache, (slots, torch.full_like(rows, group), rows), ent)
 
 
-def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, state: dict, kv: str, ring_k: str,
-                     ring_z: str, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, state: dict, kv: str, ring: str,
+                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Run compressor `comp` on the chunk and return the cache of state[kv] [B,R+1,F] as this call sees
-    it (the entries the chunk completes included); writes (or defers, Batch.pending) the rings
-    state[ring_k], state[ring_z] and the completed entries."""
-    old_k, old_z = _get(state[ring_k], b.slots, group), _get(state[ring_z], b.slots, group)
-    ent, j, done, k, z = comp(x, b, old_k, old_z, cos, sin)
+    it (the entries the chunk completes included); writes (or defers, Batch.pending) the ring
+    state[ring] and the completed entries."""
+    old = _get(state[ring], b.slots, group)
+    ent, j, done, kz = comp(x, b, old, cos, sin)
 
     def write(lengths: torch.Tensor) -> None:
-        write_ring(state[ring_k], b.slots, group, old_k, k, b.start, lengths)
-        write_ring(state[ring_z], b.slots, group, old_z, z, b.start, lengths)
+        write_ring(state[ring], b.slots, group, old, kz, b.start, lengths)
         if lengths is b.lengths:
             _write_entries(state[kv], b, group, ent, j, done)
             return
@@ -393,8 +384,8 @@ class Indexer(nn.Module):
         q = quant_sim.hadamard(q)
         if self.quant_sim:
             q = quant_sim.fp4_qdq(q, 32)
-        keys = compressed_cache(self.compressor, x, b, st.group, state, "idx_kv_r4", "idx_cmp_kv_r4",
-                                "idx_cmp_score_r4", cos, sin)[:, :-1]  # [B,R,di] (scratch row dropped)
+        keys = compressed_cache(self.compressor, x, b, st.group, state, "idx_kv_r4", "idx_cmp_r4",
+                                cos, sin)[:, :-1]  # [B,R,di] (scratch row dropped)
         wp = self.weights_proj.weight
         # bf16/f32: f32_linear rounded to x's dtype, the values of weights_proj(x) (f32 sums, one rounding),
         # through the kernel that pads a prefill's rows to a tile so GPUs run it on the matrix cores (as a
@@ -478,8 +469,8 @@ class Attention(nn.Module):
         if self.ratio:
             m = self.ratio
             name = f"r{m}"
-            cache = compressed_cache(self.compressor, x, b, st.group, state, f"kv_{name}", f"cmp_kv_{name}",
-                                     f"cmp_score_{name}", cos_t, sin_t)  # [B,R+1,D], entries of this call included
+            cache = compressed_cache(self.compressor, x, b, st.group, state, f"kv_{name}", f"cmp_{name}",
+                                     cos_t, sin_t)  # [B,R+1,D], entries of this call included
             R = cache.shape[1] - 1
             if m == 4:
                 sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
@@ -568,7 +559,7 @@ def rope_of(m: nn.Module, pos: torch.Tensor) -> dict:
     """{"window"|"compressed": {"cos", "sin", "cos_at", "sin_at"}} for a call at positions pos [B,T]: the
     RoPE tables [max_len, rd/2] `m` holds as buffers rope_<kind>_<part> (a Transformer, or a pipeline
     stage that registers the same buffers), and their pairs at pos expanded per feature [B,T,head_dim]
-    (`rope_features`). The expansion is made once per call for every layer: made per layer, each rope
+    (`rope_features_at`). The expansion is made once per call for every layer: made per layer, each rope
     kind cost IREE ~5 gather dispatches per layer (the position gathers and the feature expansions,
     each read by several ropes)."""
     cfg = m.cfg

@@ -9,11 +9,9 @@ can run any sequence in any slot.
 |------------------|-----------------------------------------|--------|--------------------------------------------------|
 | win_kv           | [slots, L + mtp, window, head_dim]       | model  | sliding-window KV ring, position p at slot p % W |
 | kv_r{m}          | [slots, n_m, max_seq/m + 1, head_dim]    | model  | compressed KV rows (entry j at row j)           |
-| cmp_kv_r{m}      | [slots, n_m, ring_m, c*head_dim]         | fp32   | compressor inputs K of the last ring_m tokens    |
-| cmp_score_r{m}   | [slots, n_m, ring_m, c*head_dim]         | fp32   | compressor gate logits Z + ape, same tokens      |
+| cmp_r{m}         | [slots, n_m, ring_m, 2, c*head_dim]      | fp32   | compressor inputs of the last ring_m tokens: K [..., 0, :], gate logits Z + ape [..., 1, :] |
 | idx_kv_r4        | [slots, n_4, max_seq/4 + 1, index_dim]   | model  | lightning-indexer keys (CSA layers only)         |
-| idx_cmp_kv_r4    | [slots, n_4, 8, 2*index_dim]             | fp32   | the indexer compressor's K ring                  |
-| idx_cmp_score_r4 | [slots, n_4, 8, 2*index_dim]             | fp32   | the indexer compressor's Z + ape ring            |
+| idx_cmp_r4       | [slots, n_4, 8, 2, 2*index_dim]          | fp32   | the indexer compressor's K and Z + ape ring      |
 
 m ranges over the distinct compression ratios; ratio 4 compresses overlapping windows (c = 2,
 ring of 2m tokens), every other ratio plain windows (c = 1, ring of m tokens). The last row of
@@ -74,12 +72,10 @@ class StateLayout:
             rows = c.max_seq_len // r + 1
             ring, feat = self.ring(r), self.coff(r) * D
             out[f"kv_r{r}"] = ((n_slots, n, rows, D), dtype)
-            out[f"cmp_kv_r{r}"] = ((n_slots, n, ring, feat), torch.float32)
-            out[f"cmp_score_r{r}"] = ((n_slots, n, ring, feat), torch.float32)
+            out[f"cmp_r{r}"] = ((n_slots, n, ring, 2, feat), torch.float32)
             if r == 4:
                 out["idx_kv_r4"] = ((n_slots, n, rows, di), dtype)
-                out["idx_cmp_kv_r4"] = ((n_slots, n, ring, 2 * di), torch.float32)
-                out["idx_cmp_score_r4"] = ((n_slots, n, ring, 2 * di), torch.float32)
+                out["idx_cmp_r4"] = ((n_slots, n, ring, 2, 2 * di), torch.float32)
         return out
 
     def stage(self, first: int, last: int) -> tuple[list[LayerState], dict[str, tuple[int, int]]]:
@@ -93,8 +89,8 @@ class StateLayout:
         ranges = {"win_kv": (first, last)}
         for r in sorted({st.ratio for st in mine if st.ratio}):
             gs = [st.group for st in mine if st.ratio == r]
-            names = [f"kv_r{r}", f"cmp_kv_r{r}", f"cmp_score_r{r}"]
-            names += ["idx_kv_r4", "idx_cmp_kv_r4", "idx_cmp_score_r4"] if r == 4 else []
+            names = [f"kv_r{r}", f"cmp_r{r}"]
+            names += ["idx_kv_r4", "idx_cmp_r4"] if r == 4 else []
             ranges.update({n: (gs[0], gs[-1] + 1) for n in names})
         lo = {r: ranges[f"kv_r{r}"][0] for r in self.ratio_counts if f"kv_r{r}" in ranges}
         states = [LayerState(st.ratio, st.group - lo.get(st.ratio, 0), st.window - first) for st in mine]

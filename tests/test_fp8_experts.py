@@ -137,7 +137,7 @@ def test_export_with_fp8_experts_computes_what_eager_does_on_the_stored_checkpoi
     not rounded to e4m3): with the activation quantization on, the model is not a continuous function
     of its fp32 values. A prefill rounds ~10^4 activations to e4m3, and an fp32 difference of a few
     ulps that moves one of them across a rounding midpoint changes its code by one step and the later
-    logits by ~1e-2, with both sides correct. Seen here (the dispatch rewrites' compiled rope_tail,
+    logits by ~1e-2, with both sides correct. Seen here (the dispatch rewrites' compiled RoPE,
     2026-12-05): layer 1's wo_b input at position 24, feature 18, is 0.011230449 in eager, 21 ulps
     below the e4m3 midpoint 11.5 * 2^-10 of its block (scale 2^-10); the export rounded it up, eager
     down, and the second decode step's logits left eager by 1.9e-2. Eager with that one rounding

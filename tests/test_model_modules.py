@@ -9,7 +9,7 @@ from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.model import (Batch, Compressor, _collapse, _stream_weights, apply_rope, fp8_nope, ring_update, rope_features_at, rope_tail, rotate_tail, write_ring, hc_head, hc_post, hc_pre, init_random, pad_selection,
+from dsv4.model.model import (Batch, Compressor, _collapse, _stream_weights, apply_rope, fp8_nope, ring_update, rope_features_at, rotate_tail, write_ring, hc_head, hc_post, hc_pre, init_random, pad_selection,
                               rope_table)
 from dsv4.model.moe import Gate, MoE
 
@@ -184,10 +184,12 @@ def test_rope_interleaved_inverse_and_relative():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_tail_is_cat_of_nope_and_roped_tail(dtype):
-    """rope_tail (one elementwise expression, the form the export fuses into one dispatch) equals the
-    definition cat([nope, apply_rope(tail)]) bit for bit: 3-D and per-head 4-D, forward and inverse,
-    an odd number of nope features (pairs start on an odd index) and rd = D."""
+def test_rotate_tail_is_cat_of_nope_and_roped_tail(dtype):
+    """rotate_tail (one elementwise expression, the form the export fuses into one dispatch) on the
+    per-feature tables of rope_features_at equals the definition cat([nope, apply_rope(tail)]) bit for
+    bit: 3-D and per-head 4-D, forward and inverse, an odd number of nope features (pairs start on an
+    odd index), rd = D, the tables gathered at a wider width (every rope of a call reads their last D
+    features; positions past the table clamped) and a row scale taken inside the expression."""
     g = torch.Generator().manual_seed(3)
     cos, sin = rope_table(8, 64, 10000.0, None)
     for shape, rd in (((2, 3, 24), 8), ((2, 3, 4, 24), 8), ((1, 2, 13), 8), ((1, 2, 2, 8), 8)):
@@ -195,17 +197,14 @@ def test_rope_tail_is_cat_of_nope_and_roped_tail(dtype):
         pos = torch.randint(0, 64, shape[:2], generator=g)
         for inverse in (False, True):
             want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[pos], sin[pos], inverse)], -1)
-            got = rope_tail(x, rd, cos[pos], sin[pos], inverse)
+            got = rotate_tail(x, rd, *rope_features_at(cos, sin, pos, shape[-1], rd), inverse)
             assert got.dtype == dtype and torch.equal(got, want), (shape, inverse)
             assert torch.equal(got[..., :-rd], x[..., :-rd])  # the nope features pass through
-            # the per-call form: the tables gathered once at a wider width (out-of-table positions
-            # clamped), every rope reading its last D features
             pos_far = torch.where(pos % 5 == 0, pos + 64, pos)
             cf, sf = rope_features_at(cos, sin, pos_far, 40, rd)
             near = pos_far.clamp(max=63)
             want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[near], sin[near], inverse)], -1)
             assert torch.equal(rotate_tail(x, rd, cf, sf, inverse), want), (shape, inverse)
-            # a row scale taken inside the expression: the rotation of x * scale
             sc = (torch.rand(*shape[:-1], 1, generator=g) + 0.5).to(dtype)
             xs = x * sc
             want = torch.cat([xs[..., :-rd], apply_rope(xs[..., -rd:], cos[near], sin[near], inverse)], -1)
@@ -217,17 +216,17 @@ def test_write_ring_leaves_the_ring_of_ring_update():
     write of ring_update does: ring slot s holds the latest real token at a position = s mod RS, else
     the old row; rows of length 0, padding, wrapping and a chunk longer than the ring."""
     g = torch.Generator().manual_seed(11)
-    RS, F, n_slots, n_groups = 8, 5, 6, 3
-    for T in (1, 2, 8, 13):
+    RS, n_slots, n_groups = 8, 6, 3
+    for T, tail in ((1, (5,)), (2, (2, 5)), (8, (5,)), (13, (2, 5))):  # (2, F): the compressors' K and Z rings
         for trial in range(4):
             B = 4
-            state = torch.randn(n_slots, n_groups, RS, F, generator=g)
+            state = torch.randn(n_slots, n_groups, RS, *tail, generator=g)
             slots = torch.randperm(n_slots, generator=g)[:B]
             start = torch.randint(0, 40, (B,), generator=g)
             lengths = torch.randint(0, T + 1, (B,), generator=g)
             lengths[0] = T
             old = state.flatten(0, 1)[slots * n_groups + 1]
-            fresh = torch.randn(B, T, F, generator=g)
+            fresh = torch.randn(B, T, *tail, generator=g)
             want = state.clone()
             want[slots, 1] = ring_update(old, fresh, start, lengths)
             write_ring(state, slots, 1, old, fresh, start, lengths)
@@ -391,9 +390,9 @@ def test_compressor_pooling_matches_formula(ratio):
     x = randn(1, S, cfg.hidden_size)
     cos, sin = rope_table(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.compress_rope_theta, cfg.yarn)
     b = Batch.make(torch.zeros(1, S, dtype=torch.long), torch.tensor([0]), torch.tensor([S]), torch.tensor([0]))
-    ring = torch.zeros(1, mod.ratio * (2 if ratio == 4 else 1), mod.wkv.weight.shape[0])
+    ring = torch.zeros(1, mod.ratio * (2 if ratio == 4 else 1), 2, mod.wkv.weight.shape[0])  # K and Z+ape
     with torch.no_grad():
-        ent, j, done, _, _ = mod(x, b, ring, ring.clone(), cos, sin)
+        ent, j, done, _ = mod(x, b, ring, cos, sin)
     n = S // ratio
     assert done[0].sum() == n and (j[0, :n] == torch.arange(n)).all()
     torch.testing.assert_close(ent[0, :n].double(), ref_compress(x, mod, cfg, (cos, sin)), atol=1e-4, rtol=1e-4)

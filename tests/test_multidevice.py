@@ -360,7 +360,7 @@ def test_stage_state_layout_renumbers_each_layers_rows() -> None:
     states, ranges = layout.stage(1, 4)
     assert states == [LayerState(4, 0, 0), LayerState(16, 0, 1), LayerState(4, 1, 2)]
     assert ranges["win_kv"] == (1, 4) and ranges["kv_r4"] == (0, 2) and ranges["idx_kv_r4"] == (0, 2)
-    assert ranges["cmp_kv_r16"] == (0, 1)
+    assert ranges["cmp_r16"] == (0, 1)
     states, ranges = layout.stage(3, 4)
     assert states == [LayerState(4, 0, 0)] and ranges["kv_r4"] == (1, 2) and "kv_r16" not in ranges
     assert list(layout.stage_spec(2, torch.float32, 0, 1)) == ["win_kv"]
