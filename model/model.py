@@ -292,16 +292,19 @@ class Compressor(nn.Module):
         j = torch.div(b.start, m, rounding_mode="floor")[:, None] + torch.arange(E, device=x.device)
         done = (j + 1) * m <= (b.start + b.lengths)[:, None]
         cur = j[..., None] * m + torch.arange(m, device=x.device)  # [B,E,m] positions of window j
-        kzc = gather_rows(all_kz, ring_rows(cur, b.start, RS, T))  # [B,E,m,2,c*hd]
-        kc, zc = kzc[..., 0, :], kzc[..., 1, :]
-        if self.overlap:
-            prev = cur - m
-            ok = (prev >= 0)[..., None]
-            kzp = gather_rows(all_kz, ring_rows(prev, b.start, RS, T))[..., :hd]
-            kp = torch.where(ok, kzp[..., 0, :], 0.0)
-            zp = torch.where(ok, kzp[..., 1, :], float("-inf"))
-            kc = torch.cat([kp, kc[..., hd:]], 2)
-            zc = torch.cat([zp, zc[..., hd:]], 2)
+        # the softmax's slots: window j-1's tokens (their first hd features) then window j's (their last
+        # hd) when windows overlap, else window j's; one gather of K and Z+ape at (row, feature half) where
+        # a gather per window and a cat of the two made two copies
+        pos = torch.cat([cur - m, cur], -1) if self.overlap else cur  # [B,E,S]
+        half = (torch.arange(pos.shape[-1], device=x.device) >= m).long() if self.overlap else \
+            torch.zeros(m, dtype=torch.long, device=x.device)
+        halves = all_kz.unflatten(-1, (-1, hd)).transpose(2, 3)  # [B,RS+T,c,2,hd]
+        bi = torch.arange(B, device=x.device).view(-1, 1, 1)
+        kz_s = halves[bi, ring_rows(pos, b.start, RS, T), half]  # [B,E,S,2,hd]
+        kc, zc = kz_s[..., 0, :], kz_s[..., 1, :]
+        if self.overlap:  # window j-1 of entry 0 does not exist
+            ok = (pos >= 0)[..., None]
+            kc, zc = torch.where(ok, kc, 0.0), torch.where(ok, zc, float("-inf"))
         pooled = (kc * zc.softmax(dim=2)).sum(2)  # [B,E,hd] fp32
 
         ent = self.norm(pooled.to(x.dtype))
