@@ -94,12 +94,10 @@ def rope_features_at(cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor
     return cos_t[p, half], sin_t[p, half]
 
 
-def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor, inverse: bool = False,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
+def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tensor,
+                inverse: bool = False) -> torch.Tensor:
     """RoPE on the trailing rd of x's D features [B,S,(H,)D], given the per-feature tables cos_f/sin_f
-    [B,S,W >= D] of `rope_features_at` (their last D features are used). `scale` [B,S,(H,)1] (x's dtype):
-    rotate x * scale, with the product taken inside the expression (of each feature and of its pair
-    partner: the same values), so IREE never writes the scaled x (the query heads' norm).
+    [B,S,W >= D] of `rope_features_at` (their last D features are used).
 
     The values of cat([x[..., :-rd], apply_rope(x[..., -rd:], ...)], -1), bit for bit (the same fp32
     products and sums per element), written as one elementwise expression over all D features: each
@@ -116,10 +114,8 @@ def rotate_tail(x: torch.Tensor, rd: int, cos_f: torch.Tensor, sin_f: torch.Tens
     odd = torch.remainder(d - nope, 2)  # 0: x0 of its pair, 1: x1 (no xor: torch-mlir does not lower it)
     partner = torch.where(rope, d + 1 - 2 * odd, d)
     first = odd == 0
-    xp = x.index_select(-1, partner)
-    if scale is not None:
-        x, xp = x * scale, xp * scale
-    xf, xp = x.float(), xp.float()
+    xf = x.float()
+    xp = xf.index_select(-1, partner)
     # x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos: apply_rope's operations in its operand order. The
     # inverse (sin negated) is written with the signs flipped, exactly the same values (a - (-b) = a + b
     # and (-b) + a = a - b in IEEE arithmetic): a negated table was one more dispatch per layer
@@ -435,8 +431,8 @@ class Attention(nn.Module):
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The H query heads [B,T,H,D] from the q latent qr (normalized without weight, roped)."""
         q = self.wq_b(qr).unflatten(-1, (self.H, self.D))
-        norm = torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
-        return rotate_tail(q, self.rd, cos, sin, scale=norm)
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)  # unweighted, in x's dtype
+        return rotate_tail(q, self.rd, cos, sin)
 
     def attend(self, q: torch.Tensor, kvs: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:

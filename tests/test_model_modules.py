@@ -188,8 +188,8 @@ def test_rotate_tail_is_cat_of_nope_and_roped_tail(dtype):
     """rotate_tail (one elementwise expression, the form the export fuses into one dispatch) on the
     per-feature tables of rope_features_at equals the definition cat([nope, apply_rope(tail)]) bit for
     bit: 3-D and per-head 4-D, forward and inverse, an odd number of nope features (pairs start on an
-    odd index), rd = D, the tables gathered at a wider width (every rope of a call reads their last D
-    features; positions past the table clamped) and a row scale taken inside the expression."""
+    odd index), rd = D, and the tables gathered at a wider width (every rope of a call reads their last
+    D features; positions past the table clamped)."""
     g = torch.Generator().manual_seed(3)
     cos, sin = rope_table(8, 64, 10000.0, None)
     for shape, rd in (((2, 3, 24), 8), ((2, 3, 4, 24), 8), ((1, 2, 13), 8), ((1, 2, 2, 8), 8)):
@@ -205,10 +205,6 @@ def test_rotate_tail_is_cat_of_nope_and_roped_tail(dtype):
             near = pos_far.clamp(max=63)
             want = torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos[near], sin[near], inverse)], -1)
             assert torch.equal(rotate_tail(x, rd, cf, sf, inverse), want), (shape, inverse)
-            sc = (torch.rand(*shape[:-1], 1, generator=g) + 0.5).to(dtype)
-            xs = x * sc
-            want = torch.cat([xs[..., :-rd], apply_rope(xs[..., -rd:], cos[near], sin[near], inverse)], -1)
-            assert torch.equal(rotate_tail(x, rd, cf, sf, inverse, scale=sc), want), (shape, inverse)
 
 
 def test_write_ring_leaves_the_ring_of_ring_update():
