@@ -80,15 +80,17 @@ HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold=536870912"
 # the llvm-cpu runs never showed it.
 PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 # GPU targets: IREE's aggressive fusion (part of --iree-opt-level=O3) fuses producers into reductions,
-# without the multi-use fusion it also turns on: Flash-4 decode_bs1 499 -> 442 dispatches with the
-# rms_norm kernel (docs/performance.md, Dispatches per step). Multi-use fusion would take it to 385, but
-# it puts producers whose results are also stored into reductions, and gfx942's code generation fails
-# on such dispatches ("failed to distribute": the tiny model's device sampler; the MoE's shared masks
-# and pairwise counts, which also hang, are why those are the pair_rank kernel and fusion barriers).
-# llvm-cpu keeps IREE's default fusion: with these flags its decode entry points stopped agreeing bit
-# for bit across batch sizes (tests/test_batch_invariance.py).
+# and its multi-use fusion puts a producer whose result is also stored into its consumers' dispatches:
+# Flash-4 decode_bs1 499 -> 442 dispatches with the first (and the rms_norm kernel), 359 -> 325 with the
+# second (docs/performance.md, Dispatches per step). gfx942's and cuda's code generation failed on some
+# multi-use fusions ("failed to distribute"): the device sampler's x / T stored and fused into its row
+# maximum, the MoE's shared masks and pairwise counts (which also hung); those sit behind fusion barriers
+# or are the pair_rank kernel. llvm-cpu keeps IREE's default fusion: with these flags its decode entry
+# points stopped agreeing bit for bit across batch sizes (tests/test_batch_invariance.py). Not here:
+# `--iree-opt-outer-dim-concat` (decode_bs64 375 -> 335 dispatches, its strided `slow_memcpy` copies
+# gone) made the H100 abort Flash-4's prefill_bs8 (`hal.device.queue.dealloca` ABORTED; docs/performance.md).
 FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true",
-                "--iree-dispatch-creation-fuse-multi-use=false")
+                "--iree-dispatch-creation-fuse-multi-use=true")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.topk import _order_key
+from .kernels.barrier import fusion_barrier
 
 __all__ = ["sample", "kept", "gumbel", "hash_uniform", "all_finite", "first_argmax"]
 
@@ -143,7 +144,9 @@ def kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     n, v = x.shape
     temp = temperature.float().reshape(n, 1)
     hot = temp > 0
-    xs = x / torch.where(hot, temp, 1.0)
+    # in a dispatch of its own: multi-use fusion (export/compile.py) put x / T, which is also stored, into
+    # the row maximum below, and the cuda and gfx942 code of that failed to distribute (the tiny model's 512 words)
+    xs = fusion_barrier(x / torch.where(hot, temp, 1.0))
     # top-k: the k-th largest order key; every token at or above it stays
     k = top_k.reshape(n, 1)
     k = torch.where(torch.logical_and(k > 0, k < v), k, v).float()
