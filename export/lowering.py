@@ -91,6 +91,7 @@ RULES: dict[str, Rule] = {
     "moe_experts": Rule("routed"),  # reads only the selected experts' weights
     # the reference's cuda lowering made NaN rows at Flash dimensions; bitwise across cuda batch sizes
     "sparse_attention": Rule("kernel"),
+    "sparse_attention_rows": Rule("kernel"),  # the same kernel over two tables read in place (decode)
 }
 
 

@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .kernels.indexer import indexer_topk
 from .kernels.linear import f32_linear, grouped_linear
 from .kernels.mhc import hc_sinkhorn
-from .kernels.sparse_attention import sparse_attention
+from .kernels.sparse_attention import sparse_attention, sparse_attention_rows
 from .layers import Head, Linear, RMSNorm
 from .moe import MoE
 from .quant import sim as quant_sim
@@ -191,21 +191,26 @@ def ring_update(old: torch.Tensor, fresh: torch.Tensor, start: torch.Tensor, len
     return torch.where(has.view(*has.shape, *[1] * (old.dim() - 2)), picked, old)
 
 
-def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.Tensor, fresh: torch.Tensor,
+def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.Tensor | None, fresh: torch.Tensor,
                start: torch.Tensor, lengths: torch.Tensor) -> None:
     """state[slots, group] = ring_update(old, fresh, start, lengths), old being that ring before the call.
     A call of a static T <= RS tokens per row (decode, verify) writes its token rows alone: row
     (start + t) % RS takes fresh[t] for a real token t and old's row back for a padding one (the rows of
-    one call are distinct). The same ring; writing the whole ring was 3 to 4 dispatches per ring per call."""
-    RS, T = old.shape[1], fresh.shape[1]
+    one call are distinct). The same ring; writing the whole ring was 3 to 4 dispatches per ring per call.
+    There `old` may be None: the padding rows' old values are then read from the state itself."""
+    RS, T = state.shape[2], fresh.shape[1]
     g = torch.full_like(slots, group)
     if not isinstance(T, int) or T > RS:
+        if old is None:
+            raise ValueError("write_ring: a call of more tokens than the ring holds needs the ring before the call")
         _set(state, (slots, g), ring_update(old, fresh, start, lengths))
         return
     t = torch.arange(T, device=fresh.device)[None, :]
     rows = torch.remainder(start[:, None] + t, RS)  # [B,T]
     real = (t < lengths[:, None]).view(*rows.shape, *[1] * (fresh.dim() - 2))
-    vals = torch.where(real, fresh, gather_rows(old, rows))
+    before = gather_rows(old, rows) if old is not None else \
+        state.flatten(0, 2)[((slots * state.shape[1] + group) * RS)[:, None] + rows]
+    vals = torch.where(real, fresh, before)
     _set(state, (slots[:, None].expand(-1, T), g[:, None].expand(-1, T), rows), vals)
 
 
@@ -257,7 +262,7 @@ class Compressor(nn.Module):
     at most T//m + 1 entries; raw K and Z+ape of the last ring tokens are kept in the state.
     """
 
-    def __init__(self, cfg: ModelConfig, ratio: int, hd: int, rotate: bool):
+    def __init__(self, cfg: ModelConfig, ratio: int, hd: int, rotate: bool, dtype: torch.dtype):
         super().__init__()
         self.ratio, self.hd, self.rotate = ratio, hd, rotate
         self.rd = cfg.qk_rope_head_dim
@@ -265,9 +270,10 @@ class Compressor(nn.Module):
         self.overlap = ratio == 4
         c = 2 if self.overlap else 1
         self.ape = nn.Parameter(torch.zeros(ratio, c * hd, dtype=torch.float32))
-        # bf16 in the checkpoint, run in fp32 as the reference does
-        self.wkv = Linear(cfg.hidden_size, c * hd, torch.float32)
-        self.wgate = Linear(cfg.hidden_size, c * hd, torch.float32)
+        # kept in the checkpoint's bf16 (the model's dtype), run in fp32 as the reference does (f32_linear:
+        # every product exact, f32 sums); held as fp32 they were three bf16 terms, 3x the bytes a step reads
+        self.wkv = Linear(cfg.hidden_size, c * hd, dtype)
+        self.wgate = Linear(cfg.hidden_size, c * hd, dtype)
         self.norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, b: Batch, ring: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -325,10 +331,11 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
 
 
 def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, state: dict, kv: str, ring: str,
-                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                     cos: torch.Tensor, sin: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
     """Run compressor `comp` on the chunk and return the cache of state[kv] [B,R+1,F] as this call sees
     it (the entries the chunk completes included); writes (or defers, Batch.pending) the ring
-    state[ring] and the completed entries."""
+    state[ring] and the completed entries. `copy=False` (writes not deferred): write, return None, the
+    caller reads state[kv] in place."""
     old = _get(state[ring], b.slots, group)
     ent, j, done, kz = comp(x, b, old, cos, sin)
 
@@ -343,7 +350,9 @@ def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, 
 
     if b.pending is None:
         b.write(write)
-        return _get(state[kv], b.slots, group)
+        return _get(state[kv], b.slots, group) if copy else None
+    if not copy:
+        raise ValueError("compressed_cache: deferred writes need the copy (copy=True)")
     cache = _get(state[kv], b.slots, group)  # as before this call
     b.write(write)
     # deferred: the entries overlaid on a copy, as the write would have left the rows
@@ -371,7 +380,7 @@ class Indexer(nn.Module):
         self.rd, self.topk, self.quant_sim = cfg.qk_rope_head_dim, cfg.index_topk, cfg.quant_sim
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, quant)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
-        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True)
+        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True, dtype=dtype)
 
     def forward(self, x, qr, b: Batch, st: LayerState, state: dict, cos_q, sin_q, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
@@ -424,7 +433,7 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.H * self.D // self.G, self.G * self.o_lora, dtype)
         self.wo_b = Linear(self.G * self.o_lora, c.hidden_size, dtype, quant)
         if self.ratio:
-            self.compressor = Compressor(c, self.ratio, self.D, rotate=False)
+            self.compressor = Compressor(c, self.ratio, self.D, rotate=False, dtype=dtype)
         if self.ratio == 4:
             self.indexer = Indexer(c, dtype, quant)
 
@@ -435,11 +444,15 @@ class Attention(nn.Module):
         return rotate_tail(q, self.rd, cos, sin)
 
     def attend(self, q: torch.Tensor, kvs: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
-        """Sparse attention of the heads over kvs rows idx, then the grouped low-rank output
-        projection wo_a: [B,T,G,o_lora] (wo_b follows on the flattened groups)."""
+               sin: torch.Tensor, kv_b: torch.Tensor | None = None) -> torch.Tensor:
+        """Sparse attention of the heads over kvs rows idx (with kv_b: rows of the tables kvs and kv_b,
+        sparse_attention_rows), then the grouped low-rank output projection wo_a: [B,T,G,o_lora] (wo_b
+        follows on the flattened groups)."""
         B, T, H, D = q.shape
-        o = sparse_attention(q, kvs, idx, self.attn_sink, self.scale)
+        if kv_b is None:
+            o = sparse_attention(q, kvs, idx, self.attn_sink, self.scale)
+        else:
+            o = sparse_attention_rows(q, kvs, kv_b, idx, self.attn_sink, self.scale)
         o = rotate_tail(o, self.rd, cos, sin, inverse=True)  # de-rotate with the query's position
         o = o.reshape(B, T, self.G, H * D // self.G)
         wo_a = self.wo_a.weight.to(o.dtype).view(self.G, self.o_lora, H * D // self.G)
@@ -459,18 +472,31 @@ class Attention(nn.Module):
         if self.quant_sim:
             kv = fp8_nope(kv, rd)
 
+        # One token a row with its writes not deferred (decode), on one device: the call's writes come
+        # first and the attention reads the state tensors in place (global row ids into the flattened
+        # window ring and compressed cache), where a copy of the slot's ring and of its whole compressed
+        # cache was made every call (at Flash's 1M positions 268 MB per CSA layer and step)
+        in_place = (shards is None and b.pending is None and isinstance(T, int) and T == 1
+                    and not (self.ratio == 4 and self.indexer.aux is not None))
+        win = state["win_kv"]
         # sliding window: the W positions p-W+1..p, read from the ring (before this call) or the chunk
-        ring = _get(state["win_kv"], b.slots, st.window)
         qpos = b.pos[..., None] - torch.arange(W, device=x.device)  # [B,T,W]
-        idx = torch.where(qpos >= 0, ring_rows(qpos, b.start, W, T), -1)
-        sources = [ring, kv]
+        if in_place:
+            write_ring(win, b.slots, st.window, None, kv, b.start, b.lengths)
+            base = (b.slots * win.shape[1] + st.window) * W
+            idx = torch.where(qpos >= 0, base[:, None, None] + torch.remainder(qpos, W), -1)
+            tables = [win.flatten(0, 2)]
+        else:
+            ring = _get(win, b.slots, st.window)
+            idx = torch.where(qpos >= 0, ring_rows(qpos, b.start, W, T), -1)
+            sources = [ring, kv]
 
         if self.ratio:
             m = self.ratio
             name = f"r{m}"
             cache = compressed_cache(self.compressor, x, b, st.group, state, f"kv_{name}", f"cmp_{name}",
-                                     cos_t, sin_t)  # [B,R+1,D], entries of this call included
-            R = cache.shape[1] - 1
+                                     cos_t, sin_t, copy=not in_place)  # [B,R+1,D], entries of this call included
+            R = state[f"kv_{name}"].shape[2] - 1
             if m == 4:
                 sel = self.indexer(x, qr, b, st, state, cos, sin, cos_t, sin_t)
                 if self.indexer.aux is not None:  # training hook (see Indexer.aux)
@@ -479,15 +505,26 @@ class Attention(nn.Module):
                 n_vis = torch.div(b.pos + 1, m, rounding_mode="floor")
                 e = torch.arange(R, device=x.device)
                 sel = torch.where(e < n_vis[..., None], e, -1)
-            idx = torch.cat([idx, torch.where(sel >= 0, W + T + sel, -1)], -1)
-            sources.append(cache.to(kv.dtype))
+            if in_place:
+                comp = state[f"kv_{name}"]
+                cbase = tables[0].shape[0] + (b.slots * comp.shape[1] + st.group) * (R + 1)
+                idx = torch.cat([idx, torch.where(sel >= 0, cbase[:, None, None] + sel, -1)], -1)
+                tables.append(comp.flatten(0, 2))
+            else:
+                idx = torch.cat([idx, torch.where(sel >= 0, W + T + sel, -1)], -1)
+                sources.append(cache.to(kv.dtype))
 
-        kvs = torch.cat(sources, 1)
         idx = pad_selection(idx)
-        o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
+        if in_place:
+            # a sliding layer has one table: kv_b is the same one, never selected
+            o = self.attend(q, tables[0], idx, cos, sin, kv_b=tables[-1])
+        else:
+            kvs = torch.cat(sources, 1)
+            o = self.attend(q, kvs, idx, cos, sin) if shards is None else shards(qr, kvs, idx, cos, sin)
         out = self.wo_b(o.flatten(2))
 
-        b.write(lambda lengths: write_ring(state["win_kv"], b.slots, st.window, ring, kv, b.start, lengths))
+        if not in_place:
+            b.write(lambda lengths: write_ring(win, b.slots, st.window, ring, kv, b.start, lengths))
         return out
 
 

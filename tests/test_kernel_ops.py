@@ -27,7 +27,7 @@ from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_l
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
-from dsv4.model.kernels.sparse_attention import sparse_attention
+from dsv4.model.kernels.sparse_attention import sparse_attention, sparse_attention_rows
 from dsv4.model.kernels.barrier import fusion_barrier
 from dsv4.model.kernels.norm import rms_norm
 from dsv4.model.kernels.topk import _order_key, _order_key32, pair_rank, radix_threshold, topk
@@ -47,6 +47,15 @@ class SparseAttn(nn.Module):
 
     def forward(self, q, kv, idx):
         return sparse_attention(q, kv, idx, self.sink, 0.125)
+
+
+class SparseAttnRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sink = nn.Parameter(_r(4))
+
+    def forward(self, q, kv_a, kv_b, idx):
+        return sparse_attention_rows(q, kv_a, kv_b, idx, self.sink, 0.125)
 
 
 class IndexerScores(nn.Module):
@@ -183,6 +192,10 @@ def _cases() -> dict:
     idx = torch.randint(-1, 20, (2, T, 6), generator=G)
     return {
         "sparse_attention": (SparseAttn, (_r(2, T, 4, 32), _r(2, 20, 32), idx), (1, None, 1)),
+        # rows of two tables (30 + 12), one query a row as decode calls it: rows at the tables' seam, masked ones
+        "sparse_attention_rows": (SparseAttnRows, (_r(2, 1, 4, 32), _r(30, 32), _r(12, 32),
+                                                   torch.tensor([[[0, 29, 30, 41, -1, 7]], [[41, 40, -1, 3, 29, 35]]])),
+                                  (None, None, None, None)),
         "indexer_scores": (IndexerScores, (_r(2, T, 4, 32), _r(2, T, 4), _r(2, 11, 32)), (1, 1, None)),
         "fp8_block_linear": (lambda: Fp8Linear(False), (_r(2, T, 128),), (1,)),
         "mxfp4_linear": (Mxfp4Linear, (_r(2, T, 128),), (1,)),

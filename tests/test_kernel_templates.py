@@ -32,7 +32,7 @@ from dsv4.model.kernels.linear import (
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.norm import rms_norm
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
-from dsv4.model.kernels.sparse_attention import sparse_attention
+from dsv4.model.kernels.sparse_attention import sparse_attention, sparse_attention_rows
 from dsv4.model.kernels.topk import pair_rank, radix_threshold
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 
@@ -315,6 +315,9 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
         "mhc": (lambda m, s, b: hc_sinkhorn(m, s, b, 4, 20, 1e-6), (), [mix, scale, base], {"hc_sinkhorn": "kernel"}),
         "attn": (lambda q, kv, idx, sink: sparse_attention(q, kv, idx, sink, 0.17), (), [q, kv, idx, sink],
                  {"sparse_attention": "kernel"}),
+        # the same rows from two tables (rows 0-9 and 10-15 of kv), read in place
+        "attn_rows": (lambda q, a, b, idx, sink: sparse_attention_rows(q, a, b, idx, sink, 0.17), (),
+                      [q, kv[0, :10], kv[0, 10:], idx, sink], {"sparse_attention_rows": "kernel"}),
         "radix": (lambda k: radix_threshold(k, 5), (), [key], {"radix_threshold": "kernel"}),
         "rank": (lambda k: pair_rank(k, 1), (), [key32], {"pair_rank": "kernel"}),
         "group_rank": (lambda k: pair_rank(k, 0), (), [key32 % 5], {"pair_rank": "kernel"}),
@@ -344,6 +347,7 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
             p /= p.sum()
             want[t, h] = sum(pi * kvd[i] for pi, i in zip(p[:-1], ids))  # the sink takes weight, adds nothing
     np.testing.assert_allclose(out["attn"][0][0], want, rtol=1e-5, atol=1e-6, err_msg="sparse_attention")
+    np.testing.assert_allclose(out["attn_rows"][0][0], want, rtol=1e-5, atol=1e-6, err_msg="sparse_attention_rows")
     kth = np.sort(key.numpy(), -1)[:, -5:-4]  # the 5th largest key: the largest t with count(key >= t) >= 5
     np.testing.assert_array_equal(out["radix"][0], kth, err_msg="radix_threshold")
     # entry i's place in the stable descending order: the inverse of a stable argsort of -key

@@ -376,7 +376,7 @@ def ref_compress(x, mod: Compressor, cfg: ModelConfig, cos_sin):
 @pytest.mark.parametrize("ratio", [4, 16])
 def test_compressor_pooling_matches_formula(ratio):
     cfg = ModelConfig.preset("tiny", quant_sim=False)
-    mod = Compressor(cfg, ratio, 128, rotate=False)
+    mod = Compressor(cfg, ratio, 128, rotate=False, dtype=torch.float32)
     with torch.no_grad():
         for p in (mod.wkv.weight, mod.wgate.weight):
             p.copy_(randn(*p.shape, scale=0.1))

@@ -33,7 +33,8 @@ import torch
 import dsv4.export  # noqa: F401
 from dsv4.export.compile import compile_mlir, vmfb_executables
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
-from dsv4.model.kernels.topk import RANK_MAX_N, record_topk, topk, topk_radix, topk_rank, topk_select
+from dsv4.model.kernels.topk import (RANK_MAX_N, STATIC_RANK_MAX_N, record_topk, topk, topk_radix, topk_rank,
+                                    topk_select)
 
 ensure_runtime_flags()
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def test_reference_radix_and_rank_follow_the_tie_rule(shape, k):
     assert torch.equal(topk(x, k), want)
     assert torch.equal(topk_radix(x, k), want)
     assert torch.equal(topk_select(x, k), want)
-    if shape[-1] <= RANK_MAX_N:
+    if shape[-1] <= STATIC_RANK_MAX_N:
         assert torch.equal(topk_rank(x, k), want)
     # and they are a top-k: the same values as torch.topk
     assert torch.equal(x.gather(-1, want), x.topk(k).values)
@@ -97,7 +98,29 @@ def test_radix_extreme_values():
     with pytest.raises(ValueError, match="larger than"):
         topk_rank(x, 11)
     with pytest.raises(ValueError, match="static entry count"):
-        topk_rank(torch.zeros(2, RANK_MAX_N + 1), 3)
+        topk_rank(torch.zeros(2, STATIC_RANK_MAX_N + 1), 3)
+
+
+def test_select_ranks_static_rows_and_radix_selects_dynamic_ones():
+    """topk_select's rule, read from the traced graph: the gate's 256 entries are ranked whatever the rows;
+    1024 entries are ranked over static rows (decode) and radix-selected over dynamic ones (prefill); more
+    than STATIC_RANK_MAX_N entries are radix-selected even over static rows."""
+    from dsv4.export.kernel_op import use_kernels
+
+    class Sel(torch.nn.Module):
+        def forward(self, x):
+            return topk_select(x, 6)
+
+    def radix_in_graph(n: int, dynamic_rows: bool) -> bool:
+        dyn = {"x": {0: torch.export.Dim("R", min=2, max=64)}} if dynamic_rows else None
+        with use_kernels({"radix_threshold": "kernel"}):
+            ep = torch.export.export(Sel(), (torch.randn(4, n),), dynamic_shapes=dyn, strict=False)
+        return any("radix_threshold" in str(node.target) for node in ep.graph.nodes)
+
+    assert not radix_in_graph(RANK_MAX_N, dynamic_rows=True)
+    assert not radix_in_graph(1024, dynamic_rows=False)
+    assert radix_in_graph(1024, dynamic_rows=True)
+    assert radix_in_graph(STATIC_RANK_MAX_N + 1, dynamic_rows=False)
 
 
 def test_radix_graph_does_not_grow_with_k():
@@ -154,9 +177,10 @@ def test_shared_memory_screen_flags_a_race():
 
 @pytest.mark.slow  # compiles for three targets (about a minute on 2 cores)
 def test_radix_compiled_alone(tmp_path):
-    """k = 512 over up to 4k entries and the router's 6 of 256 (radix and rank), dynamic rows and entries, llvm-cpu run
+    """k = 512 over up to 4k entries and the router's 6 of 256 (radix and rank; 512 of 1024 ranked: decode's
+    indexer), dynamic rows and entries, llvm-cpu run
     against the tie rule (with ties, -inf tails and ulp-spaced negatives), with the bisection traced and
-    as its kernel, and with static shapes ("fs": the prefix counts as triangular GEMMs, 4 chunks of
+    as its kernel (the pairwise counts as their kernel, as exports lower them), and with static shapes ("fs": the prefix counts as triangular GEMMs, 4 chunks of
     256 entries, as decode traces them); the same module compiles for gfx942 and cuda, and no cuda
     kernel of it uses shared memory without a barrier."""
     from iree.turbine import aot
@@ -169,12 +193,20 @@ def test_radix_compiled_alone(tmp_path):
 
     R, N = torch.export.Dim("R", min=1, max=256), torch.export.Dim("N", min=512, max=65536)
     fxb = aot.FxProgramsBuilder(M())
-    # "f": all traced torch; "fk": the bisection as the radix_threshold MLIR kernel (the export default)
+    # the pairwise counts and barriers as every export lowers them: traced as torch compares, gfx942's
+    # compile of the static-row form never finished under multi-use fusion (export/compile.py FUSION_FLAGS)
+    pairs = {"pair_rank": "kernel", "fusion_barrier": "kernel"}
+    # "f": the bisection traced; "fk": the bisection as the radix_threshold MLIR kernel (the export default)
     for name, impl in (("f", "reference"), ("fk", "kernel")):
-        with use_kernels({"radix_threshold": impl}):
+        with use_kernels({"radix_threshold": impl, **pairs}):
             fxb.export_program(lambda m, x, y: m(x, y), name=name, args=(torch.randn(3, 1024), torch.randn(3, 256)),
                                dynamic_shapes={"x": {0: R, 1: N}, "y": {0: R}}, strict=False)
-    fxb.export_program(lambda m, x, y: m(x, y), name="fs", args=(torch.randn(64, 1024), torch.randn(64, 256)), strict=False)
+    with use_kernels({"radix_threshold": "kernel", **pairs}):
+        fxb.export_program(lambda m, x, y: m(x, y), name="fs", args=(torch.randn(64, 1024), torch.randn(64, 256)),
+                           strict=False)
+        # decode's indexer form: 512 of 1024 static entries over static rows by ranking all pairs
+        fxb.export_program(lambda m, x, y: topk_rank(x, 512), name="fr",
+                           args=(torch.randn(64, 1024), torch.randn(64, 256)), strict=False)
     mlir = tmp_path / "topk.mlir"
     aot.export(fxb, import_symbolic_shape_expressions=True).save_mlir(str(mlir))
     for target in ("llvm-cpu", "gfx942"):
@@ -194,6 +226,8 @@ def test_radix_compiled_alone(tmp_path):
             assert np.array_equal(a, brute_topk(x, 512).numpy()), (fn, rows, n)
             assert np.array_equal(b, brute_topk(y, 6).numpy()), (fn, rows, n)
             assert np.array_equal(c, brute_topk(y, 6).numpy()), ("rank", fn, rows, n)
+        if (rows, n) == (64, 1024):
+            assert np.array_equal(m("fr", x.numpy(), y.numpy()), brute_topk(x, 512).numpy())
 
 
 # ---------------------------------------------------------------------------------------------

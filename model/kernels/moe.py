@@ -73,15 +73,22 @@ GROUP_BLOCK = 16
 PREFILL_GROUP_BLOCK = 64
 
 
+_NOT_FIRST = 1e30  # above any sum of k routing weights (each <= routed_scaling_factor)
+
+
 def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """[N,k] routing weights with repeated experts of one token merged into the first slot naming
     that expert (the later slots get 0), summed in slot order exactly as the reference does, so a
     token that lists an expert twice is one expert application, bit for bit the reference."""
-    same = indices[:, :, None] == indices[:, None, :]  # [N,k,k]
+    same = indices[:, :, None] == indices[:, None, :]  # [N,k,k]: slot j names the expert of slot j'
     k = indices.shape[1]
-    earlier = torch.ones(k, k, dtype=torch.int64, device=indices.device).tril(-1)  # [j, j'<j]
-    first = (same.to(torch.int64) * earlier).sum(-1) == 0  # integer math: a bool `&` does not lower
-    return torch.where(first, (weights[:, None, :] * same).sum(-1), torch.zeros((), dtype=weights.dtype))
+    i = torch.arange(k, device=indices.device)
+    # one reduction: an earlier slot of the same expert adds _NOT_FIRST (the slot then gets 0), a later
+    # or the same one its weight, the others 0 -- for a first slot the reference's terms, summed in the
+    # same order (two reductions, the sum and the earlier-slot count, were two dispatches at batch 64)
+    terms = torch.where(same, torch.where(i[None, :] < i[:, None], _NOT_FIRST, weights[:, None, :]), 0.0)
+    total = terms.sum(-1)
+    return torch.where(total < _NOT_FIRST, total, torch.zeros((), dtype=weights.dtype))
 
 
 def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, w2, s2, w3, s3,

@@ -31,10 +31,34 @@ _F = (torch.float32, torch.bfloat16)
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [B,T,H,D], kv [B,N,D], idx [B,T,K] int (-1 masked), sink [H] fp32 -> [B,T,H,D]."""
-    B, T, H, D = q.shape
-    valid = idx >= 0
+    B = q.shape[0]
     batch = torch.arange(B, device=kv.device).view(B, 1, 1)
-    sel = kv[batch, idx.clamp_min(0)]  # [B,T,K,D]
+    return _attend(q, kv[batch, idx.clamp_min(0)], idx >= 0, sink, scale)
+
+
+@kernel("sparse_attention_rows",
+        args={"q": "B, T, H, D", "kv_a": "NA, D", "kv_b": "NB, D", "idx": "B, T, K", "sink": "H", "scale": float},
+        results={"out": "B, T, H, D"}, static=("H", "D"),
+        dtypes={"q": _F, "kv_a": _F, "kv_b": _F, "idx": (torch.int64,), "sink": (torch.float32,)},
+        mlir="sparse_attention.mlir.jinja")
+def sparse_attention_rows(q: torch.Tensor, kv_a: torch.Tensor, kv_b: torch.Tensor, idx: torch.Tensor,
+                          sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """sparse_attention over rows of two tables read in place: idx [B,T,K] names rows of cat(kv_a, kv_b)
+    (row r < NA is kv_a[r], else kv_b[r - NA]; -1 masked), kv_a [NA,D] and kv_b [NB,D] of one dtype. A
+    decode call passes the flattened state tensors themselves (the window ring and a compressed cache,
+    with global row ids), so no copy of a cache exists (model.Attention, docs/kernels.md)."""
+    if kv_a.dtype != kv_b.dtype:
+        raise ValueError(f"sparse_attention_rows: kv_a is {kv_a.dtype}, kv_b {kv_b.dtype}: one dtype")
+    na, nb = kv_a.shape[0], kv_b.shape[0]
+    r = idx.clamp_min(0)
+    in_a = (r < na)[..., None]
+    sel = torch.where(in_a, kv_a[r.clamp(max=na - 1)], kv_b[(r - na).clamp(0, nb - 1)])
+    return _attend(q, sel, idx >= 0, sink, scale)
+
+
+def _attend(q: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention of q [B,T,H,D] over its gathered rows sel [B,T,K,D] (valid [B,T,K])."""
+    B, T, H, D = q.shape
     # masked rows may hold anything (stale state): zero them so 0 * garbage cannot make NaN
     sel = torch.where(valid[..., None], sel, torch.zeros((), dtype=sel.dtype))
     # Batch invariance: rows (b, t) are merged into ONE dynamic dim n before the reductions. With
@@ -47,6 +71,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     m = torch.maximum(s.amax(-1), sink.float()[None, :])  # the sink is always present
     p = torch.exp(s - m[..., None])
     den = p.sum(-1) + torch.exp(sink.float()[None, :] - m)
-    p = (p / den[..., None]).to(kv.dtype)
+    p = (p / den[..., None]).to(sel.dtype)
     o = torch.einsum("nhk,nkd->nhd", p.float(), sf)
     return o.to(q.dtype).unflatten(0, (B, T))

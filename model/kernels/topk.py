@@ -12,9 +12,10 @@ Export uses ``topk_select`` (implementation "select"): IREE 3.13 returns wrong t
 topk/sort follows other work on a dynamic token dim (docs/export.md, IREE 3.13 traps), and
 ``iree_linalg_ext.topk`` at k = 512 fails on cuda (128 KiB of shared memory) and runs ~25x slower on
 llvm-cpu (docs/kernels.md). ``topk_select`` ranks all pairs (``topk_rank``: 5 dispatches) where the
-entries are a static N <= RANK_MAX_N (the MoE gate's 256 experts) and runs the radix select
-(``topk_radix``: ~17 dispatches, whatever k) otherwise (the indexer's compressed entries, which grow
-with the context). Both use only elementwise ops, reductions, prefix counts as GEMMs and a flat
+entries are a static N <= RANK_MAX_N (the MoE gate's 256 experts), or a static N <= STATIC_RANK_MAX_N
+over static rows (a decode call's indexer up to 8k positions of context), and runs the radix select
+(``topk_radix``: ~31 dispatches with its compaction and ordering, whatever k) otherwise (a prefill's
+indexer, and decode at longer contexts: its compares stay linear in the entries). Both use only elementwise ops, reductions, prefix counts as GEMMs and a flat
 index_put, so neither graph grows with k.
 """
 
@@ -29,7 +30,7 @@ from . import kernel
 from .barrier import fusion_barrier
 
 __all__ = ["topk_indices", "topk", "topk_select", "topk_rank", "topk_radix", "radix_threshold", "pair_rank",
-           "record_topk", "RANK_MAX_N"]
+           "record_topk", "RANK_MAX_N", "STATIC_RANK_MAX_N"]
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
@@ -168,10 +169,14 @@ def topk_radix(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 RANK_MAX_N = 256  # topk_select ranks all pairs up to this many entries (N^2 compares per row)
+# ... and up to this many over static rows (decode): at most 64 rows x 2048^2 = 2.7e8 compares per call,
+# one pair_rank dispatch where the radix select takes ~31 small ones (Flash-4 decode_bs1 at its 4096
+# positions: 1024 compressed entries; docs/performance.md)
+STATIC_RANK_MAX_N = 2048
 
 
 def topk_rank(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k (the contract above) by ranking all pairs, for a static N <= RANK_MAX_N.
+    """Exact top-k (the contract above) by ranking all pairs, for a static N <= STATIC_RANK_MAX_N.
 
     rank_i = #{j: key_j > key_i} + #{j < i: key_j == key_i} is entry i's place in the stable
     descending order (a permutation of 0..N-1); out[r] = the i whose rank is r. Two reductions, over
@@ -179,8 +184,8 @@ def topk_rank(x: torch.Tensor, k: int) -> torch.Tensor:
     select takes 8 count-and-update rounds and its compaction. Counts and indices are float32 (exact
     below 2^24): the GPU backends fail on int64 reductions."""
     n = x.shape[-1]
-    if not isinstance(n, int) or n > RANK_MAX_N:
-        raise ValueError(f"topk_rank: needs a static entry count <= {RANK_MAX_N}, got {n}")
+    if not isinstance(n, int) or n > STATIC_RANK_MAX_N:
+        raise ValueError(f"topk_rank: needs a static entry count <= {STATIC_RANK_MAX_N}, got {n}")
     if k > n:
         raise ValueError(f"top-k: k={k} is larger than the {n} entries")
     lead = x.shape[:-1]
@@ -193,9 +198,12 @@ def topk_rank(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The export's top-k: ``topk_rank`` for a static N <= RANK_MAX_N, else ``topk_radix``."""
+    """The export's top-k: ``topk_rank`` for a static N <= RANK_MAX_N, or N <= STATIC_RANK_MAX_N when
+    every leading dim is static too (decode), else ``topk_radix``."""
     n = x.shape[-1]
-    return topk_rank(x, k) if isinstance(n, int) and n <= RANK_MAX_N else topk_radix(x, k)
+    static_rows = all(isinstance(d, int) for d in x.shape[:-1])
+    ranked = isinstance(n, int) and (n <= RANK_MAX_N or (static_rows and n <= STATIC_RANK_MAX_N))
+    return topk_rank(x, k) if ranked else topk_radix(x, k)
 
 
 @kernel("topk", args={"x": "..., N", "k": int}, results={"indices": "..., k"},
