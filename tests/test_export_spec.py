@@ -157,7 +157,7 @@ DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier":
            "fp4_qdq": "kernel", "hadamard": "kernel", "fp8_block_linear": "kernel", "mxfp4_linear": "kernel",
            "f32_linear": "kernel", "grouped_linear": "kernel", "fp8_block_linear_stacked": "kernel",
            "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference", "hc_sinkhorn": "kernel",
-           "moe_experts": "routed", "sparse_attention": "kernel"}
+           "moe_experts": "routed", "sparse_attention": "kernel", "sparse_attention_rows": "kernel"}
 GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
           "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "grouped_linear": "reference"}
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}

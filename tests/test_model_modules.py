@@ -303,18 +303,24 @@ def test_pad_selection_keeps_the_attention():
 
 def test_every_attention_call_gets_a_selection_of_16s(monkeypatch):
     """Each layer kind (sliding, CSA, HCA, MTP) of the tiny preset, prefill and decode: the sparse
-    attention op only ever sees idx with a multiple of 16 entries (window 8 + top-4 = 12 before)."""
+    attention ops (decode's in-place form too) only ever see idx with a multiple of 16 entries (window
+    8 + top-4 = 12 before)."""
     import dsv4.model.model as mm
     from dsv4.model.state import new_state
 
     seen = []
-    real = mm.sparse_attention
+    real, real_rows = mm.sparse_attention, mm.sparse_attention_rows
 
     def spy(q, kv, idx, sink, scale):
         seen.append(idx.shape[-1])
         return real(q, kv, idx, sink, scale)
 
+    def spy_rows(q, kv_a, kv_b, idx, sink, scale):  # decode reads the state in place
+        seen.append(idx.shape[-1])
+        return real_rows(q, kv_a, kv_b, idx, sink, scale)
+
     monkeypatch.setattr(mm, "sparse_attention", spy)
+    monkeypatch.setattr(mm, "sparse_attention_rows", spy_rows)
     cfg = ModelConfig.preset("tiny")
     model = init_random(mm.Transformer(cfg, dtype=torch.float32), seed=0, std=0.05).eval()
     st = new_state(cfg, 2, torch.float32)

@@ -98,10 +98,15 @@ def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, 
     Same numerics per row as the reference (stacked_linear per expert, fp32 clamped SwiGLU, weight
     applied before w2, w2's input in the activation dtype); only sel's weights are read/dequantized
     (MXFP4 in place, `gathered_linear`)."""
+    # decode's rows in dispatches of their own: multi-use fusion (export/compile.py) put their producers
+    # into the expert GEMMs' activation block amax, which gfx942 failed to compile at K = 128 (the tiny models)
+    static = all(isinstance(n, int) for n in xs.shape)
+    barrier = fusion_barrier if static else (lambda t: t)
+    xs = barrier(xs)
     g = gathered_linear(xs, w1, s1, sel)
     u = gathered_linear(xs, w3, s3, sel)
-    a = swiglu(g, u, limit) * ws[..., None]
-    return gathered_linear(a.to(xs.dtype), w2, s2, sel).float()
+    a = barrier((swiglu(g, u, limit) * ws[..., None]).to(xs.dtype))
+    return gathered_linear(a, w2, s2, sel).float()
 
 
 def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
