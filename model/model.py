@@ -209,7 +209,7 @@ def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.
     rows = torch.remainder(start[:, None] + t, RS)  # [B,T]
     real = (t < lengths[:, None]).view(*rows.shape, *[1] * (fresh.dim() - 2))
     before = gather_rows(old, rows) if old is not None else \
-        state.flatten(0, 2)[((slots * state.shape[1] + group) * RS)[:, None] + rows]
+        state.flatten(0, 2)[_row_base(state, slots, group)[:, None] + rows]
     vals = torch.where(real, fresh, before)
     _set(state, (slots[:, None].expand(-1, T), g[:, None].expand(-1, T), rows), vals)
 
@@ -227,6 +227,12 @@ def _get(state: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
     with the slot stride of the selected view instead of the state's: slot s read the flattened row
     s + layer, i.e. another slot's other layer (bench/slot_gather.py, docs/performance.md)."""
     return state.flatten(0, 1)[slots * state.shape[1] + layer]
+
+
+def _row_base(state: torch.Tensor, slots: torch.Tensor, group: int) -> torch.Tensor:
+    """[B]: the row of state.flatten(0, 2) where (slot, group)'s rows begin, for a state tensor
+    [n_slots, n_groups, rows, ...] read in place by global row ids."""
+    return (slots * state.shape[1] + group) * state.shape[2]
 
 
 def _set(state: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
@@ -483,7 +489,7 @@ class Attention(nn.Module):
         qpos = b.pos[..., None] - torch.arange(W, device=x.device)  # [B,T,W]
         if in_place:
             write_ring(win, b.slots, st.window, None, kv, b.start, b.lengths)
-            base = (b.slots * win.shape[1] + st.window) * W
+            base = _row_base(win, b.slots, st.window)
             idx = torch.where(qpos >= 0, base[:, None, None] + torch.remainder(qpos, W), -1)
             tables = [win.flatten(0, 2)]
         else:
@@ -507,7 +513,7 @@ class Attention(nn.Module):
                 sel = torch.where(e < n_vis[..., None], e, -1)
             if in_place:
                 comp = state[f"kv_{name}"]
-                cbase = tables[0].shape[0] + (b.slots * comp.shape[1] + st.group) * (R + 1)
+                cbase = tables[0].shape[0] + _row_base(comp, b.slots, st.group)
                 idx = torch.cat([idx, torch.where(sel >= 0, cbase[:, None, None] + sel, -1)], -1)
                 tables.append(comp.flatten(0, 2))
             else:
