@@ -1,7 +1,7 @@
 """Functionalize the decode-state writes of a freshly traced program, without retracing it.
 
 torch.export (non-strict) returns training IR, where the model's in-place state writes
-(`index_put_` into the state arguments, model/state.py) are still in place. turbine then calls
+(`index_put_` into the state arguments or a reshaped view of one, model/state.py) are still in place. turbine then calls
 `ExportedProgram.run_decompositions`, which retraces the whole graph through functionalization and
 the decomposition table: about 60 % of the export time (measured on 3 Flash layers, decode: trace
 10.5 s, retrace 16.3 s even with an empty table). The importer needs only the state writes made
@@ -50,7 +50,11 @@ def functionalize_state_writes(ep: ExportedProgram) -> ExportedProgram:
         n.kwargs = map_arg(n.kwargs, lambda a: latest.get(a, a))
         if n.target is torch.ops.aten.index_put_.default:
             target = n.args[0]
-            base = next((s for s, v in latest.items() if v is target), target)
+            # a write into a reshaped view of the state (model._set_rows: [rows, features], one index
+            # tensor): the written view reshaped back is the state's new value
+            whole = target.args[0] if target.op == "call_function" and target.target is torch.ops.aten.view.default \
+                else target
+            base = next((s for s, v in latest.items() if v is whole), whole)
             if base.op != "placeholder" or base.name not in user_inputs:
                 raise NotImplementedError(f"in-place write into {base.name}, which is not a state input")
             with g.inserting_after(n):
@@ -58,6 +62,10 @@ def functionalize_state_writes(ep: ExportedProgram) -> ExportedProgram:
             new.meta = dict(n.meta)
             n.replace_all_uses_with(new)
             g.erase_node(n)
+            if whole is not target:
+                with g.inserting_after(new):
+                    new = g.call_function(torch.ops.aten.view.default, (new, list(whole.meta["val"].shape)))
+                new.meta = {**whole.meta}
             latest[base] = new
             first_write.setdefault(base, pos[n])
         elif _op(n).endswith("_") and not _op(n).startswith("_"):

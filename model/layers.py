@@ -8,11 +8,11 @@ import math
 import torch
 from torch import nn
 
-from .kernels.linear import f32_linear, linear
+from .kernels.linear import f32_linear, linear, stacked_linear
 from .kernels.norm import rms_norm
 from .quant.formats import FP8_BLOCK
 
-__all__ = ["RMSNorm", "Linear", "Head"]
+__all__ = ["RMSNorm", "Linear", "Head", "linear_pair", "fused_pair"]
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +55,48 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.scale)
+
+
+def linear_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a(x), b(x)) as one GEMM over the two weights side by side, split after: one dispatch and one
+    activation quantization where the two linears of one input were two each (IREE computes the
+    concatenated weight once, at load). Each output column is the dot product it was. Only for a
+    symbolic row count (a prefill), whose column slices IREE fuses into their consumers: a static count
+    of more rows (a decode batch) got each slice copied apart (a strided copy, a dispatch each: Flash-4
+    decode_bs64 went 318 -> 326 dispatches), and fusing only one-row decodes would give decode_bs1 other
+    GEMMs than the batched decodes, which --batch-invariant exports must match bit for bit. Two
+    linears whose formats differ, or whose FP8 scale blocks would straddle the seam, stay two GEMMs."""
+    fp8 = a.scale is not None
+    if a.weight.dtype != b.weight.dtype or fp8 != (b.scale is not None):
+        return a(x), b(x)
+    if all(isinstance(n, int) for n in x.shape):
+        if torch.compiler.is_exporting() and a.out_features == b.out_features:
+            return stacked_pair(x, a, b)
+        return a(x), b(x)
+    if fp8 and a.out_features % FP8_BLOCK:
+        return a(x), b(x)
+    return fused_pair(x, a, b)
+
+
+def fused_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_pair's one GEMM (for two linears of one format, a's FP8 scale blocks ending at its last row)."""
+    fp8 = a.scale is not None
+    # FP8 bytes moved as uint8 (a copy is data movement only)
+    w = torch.cat([a.weight.view(torch.uint8), b.weight.view(torch.uint8)], 0).view(a.weight.dtype) if fp8 else \
+        torch.cat([a.weight, b.weight], 0)
+    y = linear(x, w, torch.cat([a.scale, b.scale], 0) if fp8 else None)
+    return y[..., :a.out_features], y[..., a.out_features:]
+
+
+def stacked_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_pair for a decode's static rows and two weights of one shape: one stacked GEMM [2, rows, out]
+    whose halves are contiguous (no column slices to copy). Exports only: eager keeps the two linears,
+    whose values the stacked form equals up to the fp32 summation order."""
+    w = torch.stack([a.weight.view(torch.uint8), b.weight.view(torch.uint8)]).view(a.weight.dtype) \
+        if a.scale is not None else torch.stack([a.weight, b.weight])
+    s = None if a.scale is None else torch.stack([a.scale, b.scale])
+    y = stacked_linear(x.reshape(-1, x.shape[-1]), w, s)
+    return y[0].view(*x.shape[:-1], -1), y[1].view(*x.shape[:-1], -1)
 
 
 class Head(nn.Linear):

@@ -7,7 +7,7 @@ chunked prefill from any position, and batched one-token decode at different pos
 decode state (see state.py) is read for the batch's `slots` and written back in place.
 
 Written to be exported: no `.item()`, no Python branching on tensor values, static shapes that
-depend only on the config and T, every state write a whole-tensor `index_put_`.
+depend only on the config and T, every state write an `index_put_` of whole rows (_set_rows).
 
 Numerics follow the reference (docs/model.md, Reference numerics): bf16 activations, fp32 mHC/norm/gate/compressor math,
 fp32 logits. `dtype=torch.float32` runs the same graph in fp32 (used by consistency tests).
@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .kernels.barrier import fusion_barrier
 from .kernels.indexer import indexer_topk
 from .kernels.linear import f32_linear, grouped_linear
 from .kernels.mhc import hc_sinkhorn
 from .kernels.sparse_attention import sparse_attention, sparse_attention_rows
-from .layers import Head, Linear, RMSNorm
+from .layers import Head, Linear, RMSNorm, linear_pair
 from .moe import MoE
 from .quant import sim as quant_sim
 from .state import LayerState, StateLayout
@@ -199,19 +200,22 @@ def write_ring(state: torch.Tensor, slots: torch.Tensor, group: int, old: torch.
     one call are distinct). The same ring; writing the whole ring was 3 to 4 dispatches per ring per call.
     There `old` may be None: the padding rows' old values are then read from the state itself."""
     RS, T = state.shape[2], fresh.shape[1]
-    g = torch.full_like(slots, group)
     if not isinstance(T, int) or T > RS:
         if old is None:
             raise ValueError("write_ring: a call of more tokens than the ring holds needs the ring before the call")
-        _set(state, (slots, g), ring_update(old, fresh, start, lengths))
+        _set_rows(state, slots, group, None, ring_update(old, fresh, start, lengths))
         return
     t = torch.arange(T, device=fresh.device)[None, :]
     rows = torch.remainder(start[:, None] + t, RS)  # [B,T]
     real = (t < lengths[:, None]).view(*rows.shape, *[1] * (fresh.dim() - 2))
-    before = gather_rows(old, rows) if old is not None else \
-        state.flatten(0, 2)[_row_base(state, slots, group)[:, None] + rows]
-    vals = torch.where(real, fresh, before)
-    _set(state, (slots[:, None].expand(-1, T), g[:, None].expand(-1, T), rows), vals)
+    if old is not None:
+        before = gather_rows(old, rows)
+    else:
+        before = state.flatten(0, 2)[_row_base(state, slots, group)[:, None] + rows]
+        # read from the state in a dispatch of its own before a flat write: fused into that write's scatter, IREE
+        # 3.13's cuda code generation failed to bufferize it (a read and a write of the state in one dispatch)
+        before = fusion_barrier(before) if _flat_write(state, rows) else before
+    _set_rows(state, slots, group, rows, torch.where(real, fresh, before))
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -235,24 +239,58 @@ def _row_base(state: torch.Tensor, slots: torch.Tensor, group: int) -> torch.Ten
     return (slots * state.shape[1] + group) * state.shape[2]
 
 
-def _set(state: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
-    """Whole-tensor in-place write (export records it as an update of the state argument)."""
-    state.index_put_(index, value.to(state.dtype))
+def _flat_write(state: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """Whether _set_rows writes these rows through one flat index (see there)."""
+    return state.shape[0] > 1 and (rows is None or all(isinstance(d, int) for d in rows.shape))
+
+
+def _set_rows(state: torch.Tensor, slots: torch.Tensor, group: int, rows: torch.Tensor | None,
+              value: torch.Tensor) -> None:
+    """state[slots[b], group, rows[b, i]] = value[b, i] for a state tensor [n_slots, n_groups, rows, ...], rows
+    [B, n] (None: all the rows of each slot's group), value [B, n, ...]: a whole-tensor in-place write (export records it as an update of the state
+    argument, export/functionalize.py). Static shapes (decode) write a [rows, features] view with one flat
+    index tensor of global rows: indexed by (slot, group, row), IREE stacked the three index tensors into
+    its [N, 3] scatter indices, a strided copy or fill each, three dispatches a write at batch > 1. A
+    prefill's symbolic entry count keeps the three (flattening it made the trace guard its size), and so
+    does a state of one slot (IREE 3.13's gfx942 compile of the flat write crashed in Flow's
+    DispatchWorkgroupsOp::getResultAccess for n_slots = 1)."""
+    if _flat_write(state, rows):
+        n = state.shape[0] * state.shape[1] * state.shape[2]
+        if rows is None:
+            rows = torch.arange(state.shape[2], device=state.device).expand(slots.shape[0], -1)
+        flat = (_row_base(state, slots, group)[:, None] + rows).flatten()
+        state.view(n, -1).index_put_((flat,), value.flatten(0, rows.dim() - 1).flatten(1).to(state.dtype))
+    elif rows is None:
+        state.index_put_((slots, torch.full_like(slots, group)), value.to(state.dtype))
+    else:
+        b = slots[:, None].expand_as(rows)
+        state.index_put_((b, torch.full_like(b, group), rows), value.to(state.dtype))
 
 
 SELECTION_MULTIPLE = 16
 
 
-def pad_selection(idx: torch.Tensor, multiple: int = SELECTION_MULTIPLE) -> torch.Tensor:
-    """idx [..., K] padded with -1 (no row) to a multiple of `multiple` entries: the same attention.
-    IREE 3.13's cuda code for the sparse-attention kernel returns the last row of a batch (B > 1)
-    non-finite when K is not a multiple of 16, with every input finite and equal across rows: Flash's
-    HCA layers at max_seq_len 256 have K = 130 (docs/performance.md, GPU faults found and fixed;
-    reproduce with `git show a7b70ea:bench/sparse_attention_rows.py`)."""
-    pad = -idx.shape[-1] % multiple
-    if not pad:
-        return idx
-    return torch.cat([idx, torch.full((*idx.shape[:-1], pad), -1, dtype=idx.dtype, device=idx.device)], -1)
+def selection_rows(pos: torch.Tensor, W: int, window_row, sel: torch.Tensor | None = None, selected_row=None,
+                   multiple: int = SELECTION_MULTIPLE) -> torch.Tensor:
+    """[B,T,K] rows a query attends to, -1 for none: the sliding window's positions pos - c (c < W, rows
+    window_row(positions); negative positions none), then sel's [B,T,S] entries (rows
+    selected_row(entries); -1 stays -1), padded with -1 to a multiple of `multiple` entries. The padding
+    is the same attention; IREE 3.13's cuda code for the sparse-attention kernel returns the last row of
+    a batch (B > 1) non-finite when K is not a multiple of 16, with every input finite and equal across
+    rows: Flash's HCA layers at max_seq_len 256 have K = 130 (docs/performance.md, GPU faults found and
+    fixed; reproduce with `git show a7b70ea:bench/sparse_attention_rows.py`). One expression over the K
+    columns: the window part, a cat with the selected part and a cat with the padding were two strided
+    copies a call at batch > 1."""
+    S = 0 if sel is None else sel.shape[-1]
+    K = W + S + (-(W + S) % multiple)
+    c = torch.arange(K, device=pos.device)
+    p = pos[..., None] - c
+    # nested selects: a bool `&` does not lower to IREE (torch-mlir)
+    rows = torch.where(c < W, torch.where(p >= 0, window_row(p), -1), -1)
+    if sel is None:
+        return rows
+    e = sel[..., (c - W).clamp(0, S - 1)]
+    return torch.where(c < W, rows, torch.where(c < W + S, torch.where(e >= 0, selected_row(e), -1), -1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,24 +329,31 @@ class Compressor(nn.Module):
         m, hd = self.ratio, self.hd
         B, T, _ = x.shape
         RS = ring.shape[1]
-        k = f32_linear(x, self.wkv.weight)
-        z = f32_linear(x, self.wgate.weight) + self.ape[torch.remainder(b.pos, m)]
-        kz = torch.stack([k, z], 2)
-        all_kz = torch.cat([ring, kz], 1)
+        # K and Z+ape as one [B,T,2,c*hd] projection: wkv and wgate side by side (a constant IREE
+        # computes once, at load) and ape with zeros beside it for K. Apart, K and Z were two GEMVs and
+        # their stack two strided copies a call (batch > 1)
+        F = self.ape.shape[-1]
+        w = torch.cat([self.wkv.weight, self.wgate.weight], 0)
+        ape = torch.cat([torch.zeros_like(self.ape), self.ape], -1).view(m, 2, F)
+        kz = f32_linear(x, w).unflatten(-1, (2, F)) + ape[torch.remainder(b.pos, m)]
 
         E = T // m + 1
         j = torch.div(b.start, m, rounding_mode="floor")[:, None] + torch.arange(E, device=x.device)
         done = (j + 1) * m <= (b.start + b.lengths)[:, None]
-        cur = j[..., None] * m + torch.arange(m, device=x.device)  # [B,E,m] positions of window j
-        # the softmax's slots: window j-1's tokens (their first hd features) then window j's (their last
-        # hd) when windows overlap, else window j's; one gather of K and Z+ape at (row, feature half) where
-        # a gather per window and a cat of the two made two copies
-        pos = torch.cat([cur - m, cur], -1) if self.overlap else cur  # [B,E,S]
-        half = (torch.arange(pos.shape[-1], device=x.device) >= m).long() if self.overlap else \
-            torch.zeros(m, dtype=torch.long, device=x.device)
-        halves = all_kz.unflatten(-1, (-1, hd)).transpose(2, 3)  # [B,RS+T,c,2,hd]
+        # the softmax's slots, positions [B,E,S]: window j-1's tokens (their first hd features) then window
+        # j's (their last hd) when windows overlap, else window j's; one gather of K and Z+ape at (row,
+        # feature half) where a gather per window and a cat of the two made two copies
+        S = 2 * m if self.overlap else m
+        s = torch.arange(S, device=x.device)
+        pos = j[..., None] * m + (s - m if self.overlap else s)
+        half = (s >= m).long() if self.overlap else torch.zeros(m, dtype=torch.long, device=x.device)
+        # each slot read from the ring (positions before the call) or from this call's rows: the values of
+        # one gather from cat([ring, kz], 1), without the copy of the ring that cat made
+        rows = ring_rows(pos, b.start, RS, T)
         bi = torch.arange(B, device=x.device).view(-1, 1, 1)
-        kz_s = halves[bi, ring_rows(pos, b.start, RS, T), half]  # [B,E,S,2,hd]
+        halves = lambda t: t.unflatten(-1, (-1, hd)).transpose(2, 3)  # noqa: E731  [B,rows,c,2,hd]
+        kz_s = torch.where((rows < RS)[..., None, None], halves(ring)[bi, rows.clamp(max=RS - 1), half],
+                           halves(kz)[bi, (rows - RS).clamp(min=0), half])  # [B,E,S,2,hd]
         kc, zc = kz_s[..., 0, :], kz_s[..., 1, :]
         if self.overlap:  # window j-1 of entry 0 does not exist
             ok = (pos >= 0)[..., None]
@@ -332,8 +377,7 @@ def _write_entries(cache: torch.Tensor, b: Batch, group: int, ent: torch.Tensor,
     """Store completed entries at row j; uncompleted ones go to the scratch (last) row."""
     scratch = cache.shape[2] - 1
     rows = torch.where(done, j, scratch).clamp(0, scratch)
-    slots = b.slots[:, None].expand_as(rows)
-    _set(cache, (slots, torch.full_like(rows, group), rows), ent)
+    _set_rows(cache, b.slots, group, rows, ent)
 
 
 def compressed_cache(comp: "Compressor", x: torch.Tensor, b: Batch, group: int, state: dict, kv: str, ring: str,
@@ -470,11 +514,12 @@ class Attention(nn.Module):
         cos_t, sin_t = rope["cos"], rope["sin"]
         cos, sin = rope["cos_at"], rope["sin_at"]  # [B,T,D] per feature at b.pos (rope_of)
 
-        qr = self.q_norm(self.wq_a(x))
+        qa, kva = linear_pair(x, self.wq_a, self.wkv)
+        qr = self.q_norm(qa)
         shards = self.head_shards
         q = self.queries(qr, cos, sin) if shards is None else None
 
-        kv = rotate_tail(self.kv_norm(self.wkv(x)), rd, cos, sin)
+        kv = rotate_tail(self.kv_norm(kva), rd, cos, sin)
         if self.quant_sim:
             kv = fp8_nope(kv, rd)
 
@@ -485,18 +530,17 @@ class Attention(nn.Module):
         in_place = (shards is None and b.pending is None and isinstance(T, int) and T == 1
                     and not (self.ratio == 4 and self.indexer.aux is not None))
         win = state["win_kv"]
-        # sliding window: the W positions p-W+1..p, read from the ring (before this call) or the chunk
-        qpos = b.pos[..., None] - torch.arange(W, device=x.device)  # [B,T,W]
         if in_place:
             write_ring(win, b.slots, st.window, None, kv, b.start, b.lengths)
             base = _row_base(win, b.slots, st.window)
-            idx = torch.where(qpos >= 0, base[:, None, None] + torch.remainder(qpos, W), -1)
+            window_row = lambda p: base[:, None, None] + torch.remainder(p, W)  # noqa: E731
             tables = [win.flatten(0, 2)]
         else:
             ring = _get(win, b.slots, st.window)
-            idx = torch.where(qpos >= 0, ring_rows(qpos, b.start, W, T), -1)
+            window_row = lambda p: ring_rows(p, b.start, W, T)  # noqa: E731
             sources = [ring, kv]
 
+        sel, selected_row = None, None
         if self.ratio:
             m = self.ratio
             name = f"r{m}"
@@ -514,13 +558,12 @@ class Attention(nn.Module):
             if in_place:
                 comp = state[f"kv_{name}"]
                 cbase = tables[0].shape[0] + _row_base(comp, b.slots, st.group)
-                idx = torch.cat([idx, torch.where(sel >= 0, cbase[:, None, None] + sel, -1)], -1)
+                selected_row = lambda e: cbase[:, None, None] + e  # noqa: E731
                 tables.append(comp.flatten(0, 2))
             else:
-                idx = torch.cat([idx, torch.where(sel >= 0, W + T + sel, -1)], -1)
+                selected_row = lambda e: W + T + e  # noqa: E731
                 sources.append(cache.to(kv.dtype))
-
-        idx = pad_selection(idx)
+        idx = selection_rows(b.pos, W, window_row, sel, selected_row)
         if in_place:
             # a sliding layer has one table: kv_b is the same one, never selected
             o = self.attend(q, tables[0], idx, cos, sin, kv_b=tables[-1])

@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .kernels.linear import f32_linear
 from .kernels.moe import moe_experts, swiglu
 from .kernels.topk import topk_indices
-from .layers import Linear
+from .layers import Linear, linear_pair
 from .quant.formats import FP8_BLOCK, MXFP4_BLOCK
 
 __all__ = ["Gate", "Expert", "Experts", "MoE"]
@@ -56,7 +56,8 @@ class Expert(nn.Module):
         self.w3 = Linear(d, inter, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        g, u = linear_pair(x, self.w1, self.w3)
+        return self.w2(swiglu(g, u, self.limit).to(x.dtype))
 
 
 class Experts(nn.Module):

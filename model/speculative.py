@@ -1,7 +1,7 @@
 """Speculative decoding with the model's own MTP block (docs/runtime.md, Speculative decoding).
 
 Two calls, each one exported entry point (export/exporter.py), written like `Transformer.forward`:
-static shapes, no `.item()`, every state write a whole-tensor `index_put_`.
+static shapes, no `.item()`, every state write an `index_put_` of whole rows.
 
 * `mtp_prefill`: a prefill chunk, then the MTP block over the chunk's positions (next token of the
   last one: `next_tokens`, or the chosen token when the chunk ends the prompt), then K drafts.

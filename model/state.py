@@ -2,7 +2,7 @@
 
 Every tensor has the sequence *slot* as dim 0 and the layer (within its kind) as dim 1, so export
 passes the whole state as a handful of device arguments that calls update in place with
-whole-tensor `index_put_` (docs/export.md, IREE 3.13 traps: writes through views of an argument fail), and a runtime
+`index_put_` of whole rows (model._set_rows; docs/export.md, IREE 3.13 traps), and a runtime
 can run any sequence in any slot.
 
 | name             | shape                                   | dtype  | holds                                            |

@@ -55,3 +55,32 @@ def test_view_read_across_a_write_is_refused() -> None:
     ep = _export(_ViewAcrossWrite(), (torch.ones(1, 3), torch.tensor([0]), torch.zeros(2, 3)))
     with pytest.raises(NotImplementedError, match="read after a write"):
         functionalize_state_writes(ep)
+
+
+class _FlatRowWrites(torch.nn.Module):
+    """model._set_rows' form: rows of a [slots, groups, rows, features] state written through a 2-D view."""
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, state: torch.Tensor):
+        n = state.shape[0] * state.shape[1] * state.shape[2]
+        state.view(n, -1).index_put_((rows,), x)
+        mid = state.sum((1, 2, 3))  # read between two writes: the first one's value
+        state.view(n, -1).index_put_((rows + 1,), x * 3)
+        return mid, state.flatten(0, 2)[rows]
+
+
+def test_writes_through_a_flat_view_become_input_mutations() -> None:
+    g = torch.Generator().manual_seed(1)
+    state = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    ep = _export(_FlatRowWrites(), (x, torch.tensor([0, 9]), state.clone()))
+    functionalize_state_writes(ep)
+    assert not any(n.target is torch.ops.aten.index_put_.default for n in ep.graph.nodes)
+    assert list(ep.graph_signature.user_inputs_to_mutate.values()) == ["state"]
+    for rows in ([0, 9], [5, 22]):
+        s1, s2 = state.clone(), state.clone()
+        want = _FlatRowWrites()(x, torch.tensor(rows), s1)
+        got = ep.module()(x, torch.tensor(rows), s2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(s2, s1, rtol=0, atol=0)
+        assert not torch.equal(s1, state)  # the writes happened

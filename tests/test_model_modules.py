@@ -9,7 +9,7 @@ from dsv4.model.quant import sim as quant_sim
 from dsv4.model.config import ModelConfig
 from dsv4.model.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.model.kernels.sparse_attention import sparse_attention
-from dsv4.model.model import (Batch, Compressor, _collapse, _stream_weights, apply_rope, fp8_nope, ring_update, rope_features_at, rotate_tail, write_ring, hc_head, hc_post, hc_pre, init_random, pad_selection,
+from dsv4.model.model import (Batch, Compressor, _collapse, _stream_weights, apply_rope, fp8_nope, ring_update, rope_features_at, rotate_tail, write_ring, hc_head, hc_post, hc_pre, init_random, selection_rows,
                               rope_table)
 from dsv4.model.moe import Gate, MoE
 
@@ -284,21 +284,28 @@ def test_sparse_attention_with_sink():
     assert torch.isfinite(sparse_attention(q, kv_poisoned, idx, sink, 0.25)[0, 0]).all()
 
 
-def test_pad_selection_keeps_the_attention():
-    """idx padded with -1 to a multiple of 16 (IREE 3.13's cuda kernel broke the last row otherwise):
-    same entries first, -1 after, and the attention of the padded idx equals the unpadded one's."""
-    B, T, H, D, N = 2, 3, 4, 16, 40
+def test_selection_rows():
+    """The window's rows then the selected entries' rows, -1 padded to a multiple of 16 (IREE 3.13's
+    cuda kernel broke the last row otherwise), against the entries written out one by one; and the
+    attention over the padded rows equals the attention over the unpadded ones."""
+    B, T, H, D, N, W = 2, 3, 4, 16, 40, 5
     q, kv, sink = randn(B, T, H, D), randn(B, N, D), randn(H)
-    for K in (1, 12, 16, 30, 33):
-        idx = torch.randint(-1, N, (B, T, K), generator=G)
-        p = pad_selection(idx)
-        assert p.shape == (B, T, -(-K // 16) * 16) and p.dtype == idx.dtype
-        assert torch.equal(p[..., :K], idx) and bool((p[..., K:] == -1).all())
+    pos = torch.tensor([[0, 1, 2], [7, 8, 9]])
+    for S in (0, 1, 11, 27, 28):
+        sel = torch.randint(-1, 20, (B, T, S), generator=G) if S else None
+        rows = selection_rows(pos, W, lambda p: 100 + p, sel, lambda e: 1000 + e)
+        K = W + S
+        assert rows.shape == (B, T, -(-K // 16) * 16)
+        for bi in range(B):
+            for t in range(T):
+                want = [100 + int(pos[bi, t]) - c if int(pos[bi, t]) - c >= 0 else -1 for c in range(W)]
+                want += [1000 + int(e) if e >= 0 else -1 for e in (sel[bi, t].tolist() if S else [])]
+                want += [-1] * (rows.shape[-1] - K)
+                assert rows[bi, t].tolist() == want
+        idx = selection_rows(pos, W, lambda p: p % N, sel, lambda e: e)
         # the op computes in float32; the padded entries add exact zeros, only the summation order moves
-        torch.testing.assert_close(sparse_attention(q, kv, p, sink, 0.25), sparse_attention(q, kv, idx, sink, 0.25),
-                                   atol=1e-6, rtol=1e-6)
-    same = idx[..., :16].contiguous()
-    assert pad_selection(same) is same
+        torch.testing.assert_close(sparse_attention(q, kv, idx, sink, 0.25),
+                                   sparse_attention(q, kv, idx[..., :K], sink, 0.25), atol=1e-6, rtol=1e-6)
 
 
 def test_every_attention_call_gets_a_selection_of_16s(monkeypatch):
@@ -516,3 +523,21 @@ def test_init_random_is_deterministic():
     a = init_random(Transformer(cfg, dtype=torch.float32), seed=3).state_dict()
     b = init_random(Transformer(cfg, dtype=torch.float32), seed=3).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_fused_pair_is_the_two_linears(quant):
+    """A prefill's two linears of one input as one GEMM over the weights side by side (layers.fused_pair):
+    each half equals its linear alone (bf16 weights, and FP8 + block scales whose blocks end at the seam)."""
+    from dsv4.model.layers import Linear, fused_pair
+
+    a, b = Linear(256, 256, torch.bfloat16, quant), Linear(256, 128, torch.bfloat16, quant)
+    for lin in (a, b):
+        if quant:
+            lin.weight.data = (randn(*lin.weight.shape) * 100).to(torch.float8_e4m3fn)
+            lin.scale.data = torch.randint(118, 126, lin.scale.shape, generator=G, dtype=torch.uint8)
+        else:
+            lin.weight.data = randn(*lin.weight.shape, dtype=torch.bfloat16)
+    x = randn(2, 5, 256, dtype=torch.bfloat16)
+    ya, yb = fused_pair(x, a, b)
+    assert torch.equal(ya, a(x)) and torch.equal(yb, b(x))

@@ -217,15 +217,23 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     count = (torch.arange(E, device=x.device)[:, None] == e[None, :]).to(torch.float32).sum(1).to(torch.int64)
     rank = pair_ranks(e, E)  # position of the pair in its expert's group
     nblk = (count + block - 1) // block
-    blk_end = nblk.cumsum(0)
-    dest = (blk_end - nblk)[e] * block + rank  # row of each pair in the padded buffer, all distinct
+    # each expert's first block: the blocks of the experts before it, a masked sum (exact in f32) where a
+    # cumsum was a scan IREE runs sequentially, plus a dispatch for the difference
+    ids = torch.arange(E, device=x.device)
+    blk_start = torch.where(ids[None, :] < ids[:, None], nblk[None, :].to(torch.float32), 0.0).sum(1).to(torch.int64)
+    blk_end = blk_start + nblk
+    dest = blk_start[e] * block + rank  # row of each pair in the padded buffer, all distinct
     G = grouped_blocks(P, E, block)
     b = torch.arange(G, device=x.device)
     sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
-    # (block, row in block) of each pair; 2-D indices keep a symbolic G free of reshape guards
-    at = (dest // block, dest % block)
-    xs = x.new_zeros(G, block, d).index_put(at, x[tok])
-    ws = wp.new_zeros(G, block).index_put(at, wp)
+    if isinstance(G, int):  # a decode's static blocks: one row index (a pair of index tensors is stacked
+        # into IREE's [P, 2] scatter indices, two strided copies a layer)
+        xs = x.new_zeros(G * block, d).index_put((dest,), x[tok]).view(G, block, d)
+        ws = wp.new_zeros(G * block).index_put((dest,), wp).view(G, block)
+    else:  # (block, row in block) of each pair; 2-D indices keep a symbolic G free of reshape guards
+        at = (dest // block, dest % block)
+        xs = x.new_zeros(G, block, d).index_put(at, x[tok])
+        ws = wp.new_zeros(G, block).index_put(at, wp)
     out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
     # pairs are token-major, so each token's k results are a gather and a sum (no scatter-add:
     # aten.index_add does not lower in torch-mlir)

@@ -20,7 +20,7 @@ _F = (torch.float32, torch.bfloat16)
 # the H200 decode time (Flash-4: +1.2 ms at batch 1, +3-4 % at 8-64; docs/performance.md); on llvm-cpu
 # it is as fast (embedded default, docs/performance.md). Compiled alone, the kernel itself
 # returns a batch's last row non-finite on cuda when K is not a multiple of 16 (the reference was right
-# there): the model pads idx (model.pad_selection; `git show a7b70ea:bench/sparse_attention_rows.py`).
+# there): the model pads idx (model.selection_rows; `git show a7b70ea:bench/sparse_attention_rows.py`).
 
 
 @kernel("sparse_attention",
