@@ -385,8 +385,11 @@ def test_quantized_decode_graph_holds_kernels_not_their_math():
     kernels = {k: v for k, v in ops.items() if k.startswith("dsv4k.")}
     n_layers = cfg.n_layers  # the step does not run the MTP block
     csa = sum(cfg.ratio(i) == 4 for i in range(n_layers))
-    # wq_a, wq_b, wkv, wo_b, the shared expert's 3, and each CSA layer's indexer wq_b
-    assert kernels["dsv4k.fp8_block_linear.default"] == 7 * n_layers + csa
+    # wq_b, wo_b, the shared expert's w2 and each CSA layer's indexer wq_b; wq_a + wkv and the shared w1 + w3
+    # (each pair one input and one weight shape in tiny) as one stacked GEMM each (layers.linear_pair)
+    assert cfg.q_lora_rank == cfg.head_dim
+    assert kernels["dsv4k.fp8_block_linear.default"] == 3 * n_layers + csa
+    assert kernels["dsv4k.fp8_block_linear_stacked.default"] == 2 * n_layers
     assert kernels["dsv4k.mxfp4_linear_gathered.default"] == 3 * n_layers  # routed experts, read in place
     assert kernels["dsv4k.hc_sinkhorn.default"] == 2 * n_layers
     for op in ("fp8_qdq", "fp4_qdq", "hadamard"):
