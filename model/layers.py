@@ -78,13 +78,18 @@ def linear_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, to
     return fused_pair(x, a, b)
 
 
+def _paired_weights(a: Linear, b: Linear, join) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """a's and b's weights (and FP8 scales) joined by `join` (torch.cat or torch.stack); FP8 bytes move as
+    uint8 (a copy is data movement only)."""
+    if a.scale is None:
+        return join([a.weight, b.weight]), None
+    w = join([a.weight.view(torch.uint8), b.weight.view(torch.uint8)]).view(a.weight.dtype)
+    return w, join([a.scale, b.scale])
+
+
 def fused_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """linear_pair's one GEMM (for two linears of one format, a's FP8 scale blocks ending at its last row)."""
-    fp8 = a.scale is not None
-    # FP8 bytes moved as uint8 (a copy is data movement only)
-    w = torch.cat([a.weight.view(torch.uint8), b.weight.view(torch.uint8)], 0).view(a.weight.dtype) if fp8 else \
-        torch.cat([a.weight, b.weight], 0)
-    y = linear(x, w, torch.cat([a.scale, b.scale], 0) if fp8 else None)
+    y = linear(x, *_paired_weights(a, b, torch.cat))
     return y[..., :a.out_features], y[..., a.out_features:]
 
 
@@ -92,10 +97,7 @@ def stacked_pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, t
     """linear_pair for a decode's static rows and two weights of one shape: one stacked GEMM [2, rows, out]
     whose halves are contiguous (no column slices to copy). Exports only: eager keeps the two linears,
     whose values the stacked form equals up to the fp32 summation order."""
-    w = torch.stack([a.weight.view(torch.uint8), b.weight.view(torch.uint8)]).view(a.weight.dtype) \
-        if a.scale is not None else torch.stack([a.weight, b.weight])
-    s = None if a.scale is None else torch.stack([a.scale, b.scale])
-    y = stacked_linear(x.reshape(-1, x.shape[-1]), w, s)
+    y = stacked_linear(x.reshape(-1, x.shape[-1]), *_paired_weights(a, b, torch.stack))
     return y[0].view(*x.shape[:-1], -1), y[1].view(*x.shape[:-1], -1)
 
 
