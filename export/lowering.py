@@ -83,9 +83,13 @@ RULES: dict[str, Rule] = {
     "fp8_block_linear_stacked": Rule("kernel", batch_invariant="kernel_rows16"),
     # the f32 form's one-row (bs1) and 16-row-block (bs8+) GEMMs agree bit for bit; the bf16 GEMM's do not
     "mxfp4_linear_stacked": Rule("kernel", batch_invariant="kernel_f32"),
-    # reductions that gather fail in ReductionVectorDistribution on GPU targets: the flag turns it off
-    "mxfp4_linear_gathered": Rule("reference", cpu_big_experts="kernel",
-                                  gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)}),
+    # GPUs: the gather inside the GEMM's dispatch, no copy of the routed experts (batch-invariant exports
+    # keep the gather and the stacked kernel's f32 form). The sequential "kernel" needs a flag on GPU
+    # targets: reductions that gather fail in ReductionVectorDistribution
+    "mxfp4_linear_gathered": Rule("reference", batch_invariant="reference", gpu="kernel_gemm",
+                                  cpu_big_experts="kernel", gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)}),
+    # the gathered GEMM's form with the SwiGLU epilogue: where mxfp4_linear_gathered takes kernel_gemm
+    "mxfp4_swiglu_gathered": Rule("reference", batch_invariant="reference", gpu="kernel"),
     "hc_sinkhorn": Rule("kernel"),
     "rms_norm": Rule("kernel"),
     "moe_experts": Rule("routed"),  # reads only the selected experts' weights

@@ -658,7 +658,8 @@ def rope_of(m: nn.Module, pos: torch.Tensor) -> dict:
 
 def embed_streams(embed: nn.Embedding, tokens: torch.Tensor, n: int) -> torch.Tensor:
     """Token embeddings as the n mHC residual streams [B,T,n,d] (every stream starts equal)."""
-    return embed(tokens)[:, :, None, :].expand(-1, -1, n, -1)
+    # one gather of n rows a token: the gather and then a broadcast copy were two dispatches a call
+    return embed(tokens[:, :, None].expand(-1, -1, n))
 
 
 def final_logits(h: torch.Tensor, lengths: torch.Tensor, all_logits: bool, fn: torch.Tensor, base: torch.Tensor,

@@ -25,7 +25,7 @@ from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, grouped_linear, mxfp4_linear,
                                        mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
-from dsv4.model.kernels.moe import moe_experts
+from dsv4.model.kernels.moe import moe_experts, mxfp4_swiglu_gathered
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention, sparse_attention_rows
 from dsv4.model.kernels.barrier import fusion_barrier
@@ -138,6 +138,14 @@ class GatheredLinear(nn.Module):
         return mxfp4_linear_gathered(x, self.packed, self.scale, sel)
 
 
+class SwigluGathered(GatheredLinear):
+    """mxfp4_swiglu_gathered: row block g's up projection by expert sel[g] of 4, SwiGLU with the gate rows
+    (clamped at 1.5: both clamps bind) and the rows' routing weights."""
+
+    def forward(self, x, gate, rweights, sel):
+        return mxfp4_swiglu_gathered(x, gate, rweights, self.packed, self.scale, sel, 1.5)
+
+
 class Qdq(nn.Module):
     def __init__(self, fn, *extra):
         super().__init__()
@@ -204,6 +212,9 @@ def _cases() -> dict:
         "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_gathered": (GatheredLinear, (_r(T, 3, 128), torch.randint(0, 4, (T,), generator=G)), (0, 0)),
+        # 16-row blocks, as a decode's grouped experts
+        "mxfp4_swiglu_gathered": (SwigluGathered, (_r(T, 16, 128), _r(T, 16, 64) * 2, torch.rand(T, 16, generator=G),
+                                                   torch.randint(0, 4, (T,), generator=G)), (0, 0, 0, 0)),
         "fp8_qdq": (lambda: Qdq(fp8_qdq, 64), (_r(2, T, 4, 128) * 10,), (1,)),
         "fp4_qdq": (lambda: Qdq(fp4_qdq, 32), (_r(2, T, 4, 128) * 10,), (1,)),
         "hadamard": (lambda: Qdq(hadamard), (_r(2, T, 4, 128),), (1,)),

@@ -225,8 +225,12 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
              "stacked1": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs[:, :1]],
                           {"mxfp4_linear_stacked": form})}
     if form == "kernel":
-        cases["gathered"] = (lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel), (torch.stack(ps), torch.stack(ss)),
-                             [xg, sel], {"mxfp4_linear_gathered": "kernel"})
+        gathered = lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel)  # noqa: E731
+        ws = (torch.stack(ps), torch.stack(ss))
+        cases["gathered"] = (gathered, ws, [xg, sel], {"mxfp4_linear_gathered": "kernel"})
+        # the gather inside the GEMM's dispatch: row blocks (a batch matmul) and one row a block (a batch matvec)
+        cases["gathered_gemm"] = (gathered, ws, [xg, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
+        cases["gathered_gemm1"] = (gathered, ws, [xg[:, :1], sel], {"mxfp4_linear_gathered": "kernel_gemm"})
     out = build(cases, kernel_compile, tmp_path, f"quant-mxfp4-{form}")
 
     def check(got, xin, w, what):
@@ -240,7 +244,11 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
         check(out["stacked1"][0][e], xs[e, :1], wsd[e], f"mxfp4_linear_stacked[{form}][{e}], one row")
     if "gathered" in out:
         for g in range(3):
-            check(out["gathered"][0][g], xg[g], wsd[int(sel[g])], f"mxfp4_linear_gathered[{g}]")
+            w = wsd[int(sel[g])]
+            check(out["gathered"][0][g], xg[g], w, f"mxfp4_linear_gathered[{g}]")
+            check(out["gathered_gemm"][0][g], xg[g], w, f"mxfp4_linear_gathered[kernel_gemm][{g}]")
+            assert out["gathered_gemm1"][0][g].shape == (1, 64)
+            check(out["gathered_gemm1"][0][g], xg[g, :1], w, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
 
 
 def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:

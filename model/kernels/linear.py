@@ -248,11 +248,15 @@ def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 
 _EAGER_DECODE_BYTES = 2 << 30
+# "kernel" reads the selected experts in place inside one sequential f32 reduction; "kernel_gemm" gathers,
+# decodes and runs the stacked kernel's bf16 GEMM in one dispatch (quant.mlir.jinja), on the matrix cores
+_GATHERED_GEMMS = {"kernel_gemm": {"gathered_gemm": True}}
 
 
 @kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
-        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR)
+        dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR,
+        mlir_variants=_GATHERED_GEMMS, trace_sizes=("M",))
 def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).

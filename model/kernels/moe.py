@@ -16,7 +16,7 @@ from typing import ContextManager
 import torch
 
 from . import kernel, overrides
-from .linear import gathered_linear, stacked_linear
+from .linear import _BYTES, _F, _MLIR, _SCALES, _check_mxfp4, gathered_linear, mxfp4_linear_gathered, stacked_linear
 from .barrier import fusion_barrier
 from .topk import pair_rank
 
@@ -27,6 +27,32 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
     return torch.nn.functional.silu(g) * u
+
+
+@kernel("mxfp4_swiglu_gathered", args={"x": "G, M, K", "gate": "G, M, N", "rweights": "G, M", "packed": "E, N, KP",
+                                        "scale": "E, N, KS", "sel": "G", "limit": float},
+        results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
+        dtypes={"x": _F, "gate": _F, "rweights": (torch.float32,), "packed": _BYTES, "scale": _SCALES[:2],
+                "sel": (torch.int64,)}, mlir=_MLIR, trace_sizes=("M",))
+def mxfp4_swiglu_gathered(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor, packed: torch.Tensor,
+                          scale: torch.Tensor, sel: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts' up projection and SwiGLU: u = mxfp4_linear_gathered(x, packed, scale, sel), then
+    (swiglu(gate, u, limit) * rweights[..., None]) in x's dtype. gate [G, M, N] is the gate projection's
+    output (w1), rweights [G, M] f32 the rows' routing weights. Its kernel is the gathered GEMM (kernel_gemm)
+    with this as its epilogue: the SwiGLU of a GEMM that is its own dispatch region cannot join the GEMM's
+    dispatch otherwise, and took one of its own a layer."""
+    u = mxfp4_linear_gathered(x, packed, scale, sel)
+    return (swiglu(gate, u, limit) * rweights[..., None]).to(x.dtype)
+
+
+def gathered_swiglu(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor, weight: torch.Tensor,
+                    scale: torch.Tensor | None, sel: torch.Tensor, limit: float) -> torch.Tensor:
+    """(swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]) in x's dtype, for
+    the weight formats `gathered_linear` takes; packed MXFP4 goes through `mxfp4_swiglu_gathered`."""
+    if weight.dtype in _BYTES and scale is not None and weight.dim() == 3:
+        _check_mxfp4(x, weight, scale, "gathered_swiglu")
+        return mxfp4_swiglu_gathered(x, gate, rweights.float(), weight, scale, sel, limit)
+    return (swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]).to(x.dtype)
 
 
 def _group(t: torch.Tensor | None, e0: int, e1: int) -> torch.Tensor | None:
@@ -104,8 +130,7 @@ def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, 
     barrier = fusion_barrier if static else (lambda t: t)
     xs = barrier(xs)
     g = gathered_linear(xs, w1, s1, sel)
-    u = gathered_linear(xs, w3, s3, sel)
-    a = barrier((swiglu(g, u, limit) * ws[..., None]).to(xs.dtype))
+    a = barrier(gathered_swiglu(xs, g, ws, w3, s3, sel, limit))
     return gathered_linear(a, w2, s2, sel).float()
 
 
