@@ -9,7 +9,8 @@ runtime-only install), in two accounts:
   - routed experts: `moe_experts_routed` gathers one expert's weights per (token, slot) pair when
     B*k <= E, else per block of GROUP_BLOCK rows (a static count, `expert_blocks`); each gathered copy
     is read from the stack, written, and read again by the GEMM (3x its bytes), unless the export
-    reads experts in place (`mxfp4_linear_gathered` = kernel, config.json's kernels: 1x);
+    reads experts in place (config.json's kernels: `mxfp4_linear_gathered` = kernel, or kernel_gemm for
+    blocks of more than one row: 1x; `experts_read_in_place`);
   - everything else as stored; embedding and tid2eid rows: one per token.
 * ``release``: what the release checkpoint's format needs (contract/release.py): FP8 linears 1 byte
   + an E8M0 byte per 128x128 block, MXFP4 experts 0.5 byte + an E8M0 byte per 32, bf16 2, fp32 4; the
@@ -35,7 +36,7 @@ from typing import Any, Mapping, Sequence
 from dsv4.contract.artifact import TensorSpec, state_stage
 from dsv4.contract.release import BF16, F32, FP8_LINEAR, I64
 
-__all__ = ["DATASHEET_TBPS", "GROUP_BLOCK", "datasheet_peak", "expected_distinct", "expert_blocks", "step_bytes"]
+__all__ = ["DATASHEET_TBPS", "GROUP_BLOCK", "datasheet_peak", "expected_distinct", "expert_blocks", "experts_read_in_place", "step_bytes"]
 
 # HBM bandwidth from the vendors' datasheets, TB/s, by a name the driver reports
 DATASHEET_TBPS = {"H200": 4.8, "MI300X": 5.3}
@@ -103,6 +104,13 @@ def _release_expert_bytes(shape: Sequence[int], dtype: str, expert_dtype: str) -
     if expert_dtype == "fp8":
         return out_f * in_f + math.ceil(out_f / _FP8_BLOCK) * math.ceil(in_f / _FP8_BLOCK)
     return 2 * out_f * in_f
+
+
+def experts_read_in_place(gathered_impl: str, n_experts: int, k: int, batch: int) -> bool:
+    """Whether a decode of `batch` rows reads its routed experts in place under the export's
+    `mxfp4_linear_gathered` implementation: "kernel" always; "kernel_gemm" when the pairs are grouped
+    into blocks (batch * k > n_experts), its one-row-a-pair GEMV copying the selected experts first."""
+    return gathered_impl == "kernel" or (gathered_impl == "kernel_gemm" and batch * k > n_experts)
 
 
 def step_bytes(model: Mapping[str, Any], tensors: Sequence[TensorSpec], state: Sequence[Any], batch: int,

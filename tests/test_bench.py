@@ -166,7 +166,7 @@ def test_step_bytes_matches_a_hand_count() -> None:
     read as its bf16 copy (scale not read) against 1 byte + a scale byte per block, an fp32 gate as
     three bf16 terms against bf16, gathered experts 3x per gather against MXFP4 per distinct expert;
     the state in both."""
-    from dsv4.bench.traffic import step_bytes
+    from dsv4.bench.traffic import experts_read_in_place, step_bytes
     from dsv4.contract.artifact import StateSpec, TensorSpec
 
     model = {"vocab_size": 100, "num_hidden_layers": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -201,6 +201,9 @@ def test_step_bytes_matches_a_hand_count() -> None:
     inplace = step_bytes(model, tensors, state, b, ctx, 1024, "bfloat16", experts_in_place=True, distinct_experts=5)
     assert inplace["implementation"]["layers"] == pytest.approx(impl_layer - 2 * 6 * (64 * 16 + 64) + st)
     assert inplace["release"]["layers"] == pytest.approx(rel_layer + (5 - distinct) * (64 * 16 + 64) + st)
+    # which decodes read in place: the sequential kernel always, the in-dispatch GEMM once pairs share blocks
+    assert experts_read_in_place("kernel", 256, 6, 1) and not experts_read_in_place("reference", 256, 6, 64)
+    assert [experts_read_in_place("kernel_gemm", 256, 6, b) for b in (1, 42, 43, 64)] == [False, False, True, True]
     # an fp32 activation runs the fp32 gate weight as stored
     f32 = step_bytes(model, tensors, state, b, ctx, 1024, "float32")
     assert f32["implementation"]["layers"] == pytest.approx(impl_layer - 8 * 10 * 2 + st)
