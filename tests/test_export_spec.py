@@ -156,13 +156,15 @@ DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier":
            "topk": "select", "indexer_scores": "kernel", "fp8_qdq": "kernel",
            "fp4_qdq": "kernel", "hadamard": "kernel", "fp8_block_linear": "kernel", "mxfp4_linear": "kernel",
            "f32_linear": "kernel", "grouped_linear": "kernel", "fp8_block_linear_stacked": "kernel",
-           "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference", "hc_sinkhorn": "kernel",
+           "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference",
+           "mxfp4_swiglu_gathered": "reference", "hc_sinkhorn": "kernel",
            "moe_experts": "routed", "sparse_attention": "kernel", "sparse_attention_rows": "kernel"}
 GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
           "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "grouped_linear": "reference"}
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}
 GPU_ONLY = {"fp8_block_linear": "kernel_small_rows", "f32_linear": "kernel_small_rows",
-            "grouped_linear": "kernel_small_rows"}
+            "grouped_linear": "kernel_small_rows", "mxfp4_linear_gathered": "kernel_gemm",
+            "mxfp4_swiglu_gathered": "kernel"}
 
 # (targets, model, batch_invariant, --kernel choices) -> (changes to DEFAULT, {target: extra flags})
 CASES = [
