@@ -30,6 +30,7 @@ from dsv4.model.kernels.linear import (
     mxfp4_linear_stacked,
 )
 from dsv4.model.kernels.mhc import hc_sinkhorn
+from dsv4.model.kernels.moe import mxfp4_swiglu_gathered
 from dsv4.model.kernels.norm import rms_norm
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
 from dsv4.model.kernels.sparse_attention import sparse_attention, sparse_attention_rows
@@ -218,6 +219,8 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
     x = torch.from_numpy(RNG.standard_normal((3, 256)).astype(np.float32))
     xs = torch.from_numpy(RNG.standard_normal((2, 3, 256)).astype(np.float32))
     xg = torch.from_numpy(RNG.standard_normal((3, 2, 256)).astype(np.float32))
+    gate = torch.from_numpy(2 * RNG.standard_normal((3, 2, 64)).astype(np.float32))
+    rw = torch.from_numpy(RNG.random((3, 2)).astype(np.float32))
     sel = torch.tensor([1, 0, 1])
     cases = {"lin": (mxfp4_linear, (p, s), [x], {"mxfp4_linear": form}),
              "stacked": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs], {"mxfp4_linear_stacked": form}),
@@ -231,6 +234,9 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
         # the gather inside the GEMM's dispatch: row blocks (a batch matmul) and one row a block (a batch matvec)
         cases["gathered_gemm"] = (gathered, ws, [xg, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
         cases["gathered_gemm1"] = (gathered, ws, [xg[:, :1], sel], {"mxfp4_linear_gathered": "kernel_gemm"})
+        # the up projection with the routed SwiGLU as its epilogue (both clamps bind at 1.5)
+        swiglu = lambda x, gt, rw, sel, p, s: mxfp4_swiglu_gathered(x, gt, rw, p, s, sel, 1.5, 0)  # noqa: E731
+        cases["swiglu"] = (swiglu, ws, [xg, gate, rw, sel], {"mxfp4_swiglu_gathered": "kernel"})
     out = build(cases, kernel_compile, tmp_path, f"quant-mxfp4-{form}")
 
     def check(got, xin, w, what):
@@ -249,6 +255,15 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
             check(out["gathered_gemm"][0][g], xg[g], w, f"mxfp4_linear_gathered[kernel_gemm][{g}]")
             assert out["gathered_gemm1"][0][g].shape == (1, 64)
             check(out["gathered_gemm1"][0][g], xg[g, :1], w, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
+            # float64 SwiGLU of the float64 product: u's fp32 sum error times |silu(g) w|, plus the epilogue's roundings
+            xq = block_qdq(xg[g].double().numpy(), 128, fp4=False)
+            u, gt, lim = xq @ w.T, gate[g].double().numpy(), 1.5
+            sg = np.minimum(gt, lim)
+            silu_w = sg / (1 + np.exp(-sg)) * rw[g].double().numpy()[:, None]
+            want = silu_w * np.clip(u, -lim, lim)
+            err = np.abs(out["swiglu"][0][g].astype(np.float64) - want)
+            assert (err <= 4e-5 * np.abs(silu_w) * (np.abs(xq) @ np.abs(w).T) + 2e-6 * np.abs(want) + 1e-30).all(), \
+                f"mxfp4_swiglu_gathered[{g}]: worst {float(err.max()):.3g}"
 
 
 def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
