@@ -248,9 +248,10 @@ def _set_rows(state: torch.Tensor, slots: torch.Tensor, group: int, rows: torch.
               value: torch.Tensor) -> None:
     """state[slots[b], group, rows[b, i]] = value[b, i] for a state tensor [n_slots, n_groups, rows, ...],
     rows [B, n] (None: all the rows of each slot's group), value [B, n, ...]: a whole-tensor in-place write
-    (export records it as an update of the state argument, export/functionalize.py). Static shapes (decode) write a [rows, features] view with one flat
-    index tensor of global rows: indexed by (slot, group, row), IREE stacked the three index tensors into
-    its [N, 3] scatter indices, a strided copy or fill each, three dispatches a write at batch > 1. A
+    (export records it as an update of the state argument, export/functionalize.py). Static shapes
+    (decode) write a [rows, features] view with one flat index tensor of global rows: indexed by (slot,
+    group, row), IREE stacked the three index tensors into its [N, 3] scatter indices, a strided copy or
+    fill each, three dispatches a write at batch > 1. A
     prefill's symbolic entry count keeps the three (flattening it made the trace guard its size), and so
     does a state of one slot (IREE 3.13's gfx942 compile of the flat write crashed in Flow's
     DispatchWorkgroupsOp::getResultAccess for n_slots = 1)."""

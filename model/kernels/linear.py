@@ -49,8 +49,8 @@ from ..quant.formats import (
 from . import KERNELS, kernel, overrides
 from .qdq import block_qdq
 
-__all__ = ["linear", "stacked_linear", "gathered_linear", "f32_linear", "grouped_linear", "fp8_block_linear", "mxfp4_linear",
-           "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
+__all__ = ["linear", "stacked_linear", "gathered_linear", "is_packed_mxfp4_stack", "f32_linear", "grouped_linear",
+           "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
            "weight_only_linears"]
 
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -272,6 +272,11 @@ def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return mxfp4_linear_stacked(x, packed.index_select(0, sel), scale.index_select(0, sel))
 
 
+def is_packed_mxfp4_stack(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """A stack of packed MXFP4 experts ([E, N, K/2] bytes with their scales): what the gathered kernels take."""
+    return weight.dtype in _BYTES and scale is not None and weight.dim() == 3
+
+
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor:
     """`stacked_linear(x, weight[sel], scale[sel])`: x [G, M, K], weight [E, O, K(/2)] in any format
     `linear` takes, sel [G] int64 -> [G, M, O] in x.dtype. Packed MXFP4 (the released experts) goes
@@ -279,7 +284,7 @@ def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     gather first (FP8 bytes move as uint8: a gather is data movement only)."""
     if x.dim() != 3 or sel.dim() != 1 or sel.shape[0] != x.shape[0]:
         raise ValueError(f"gathered_linear: x {tuple(x.shape)} must be [G, M, K] with sel [G], got sel {tuple(sel.shape)}")
-    if weight.dtype in (torch.uint8, torch.int8) and scale is not None and weight.dim() == 3:
+    if is_packed_mxfp4_stack(weight, scale):
         _check_mxfp4(x, weight, scale, "gathered_linear")
         return mxfp4_linear_gathered(x, weight, scale, sel)
     if weight.dtype in FP8_FORMATS:

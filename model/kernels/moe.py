@@ -16,7 +16,8 @@ from typing import ContextManager
 import torch
 
 from . import kernel, overrides
-from .linear import _BYTES, _F, _MLIR, _SCALES, _check_mxfp4, gathered_linear, mxfp4_linear_gathered, stacked_linear
+from .linear import (_BYTES, _F, _MLIR, _SCALES, _check_mxfp4, gathered_linear, is_packed_mxfp4_stack,
+                     mxfp4_linear_gathered, stacked_linear)
 from .barrier import fusion_barrier
 from .topk import pair_rank
 
@@ -49,7 +50,7 @@ def gathered_swiglu(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor,
                     scale: torch.Tensor | None, sel: torch.Tensor, limit: float) -> torch.Tensor:
     """(swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]) in x's dtype, for
     the weight formats `gathered_linear` takes; packed MXFP4 goes through `mxfp4_swiglu_gathered`."""
-    if weight.dtype in _BYTES and scale is not None and weight.dim() == 3:
+    if is_packed_mxfp4_stack(weight, scale):
         _check_mxfp4(x, weight, scale, "gathered_swiglu")
         return mxfp4_swiglu_gathered(x, gate, rweights.float(), weight, scale, sel, limit)
     return (swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]).to(x.dtype)
