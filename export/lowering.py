@@ -81,6 +81,9 @@ RULES: dict[str, Rule] = {
     # the form cuda's bitwise check ran with
     "grouped_linear": Rule("kernel", batch_invariant="reference", gpu="kernel_small_rows"),
     "fp8_block_linear_stacked": Rule("kernel", batch_invariant="kernel_rows16"),
+    # GPUs: x quantized once, read for every e. Elsewhere the reference, the stacked kernel on an [E, M, K]
+    # broadcast: the form llvm-cpu's and --batch-invariant's bitwise decode checks ran with
+    "fp8_block_linear_shared": Rule("reference", batch_invariant="reference", gpu="kernel"),
     # the f32 form's one-row (bs1) and 16-row-block (bs8+) GEMMs agree bit for bit; the bf16 GEMM's do not
     "mxfp4_linear_stacked": Rule("kernel", batch_invariant="kernel_f32"),
     # GPUs: the gather inside the GEMM's dispatch, no copy of the routed experts (batch-invariant exports

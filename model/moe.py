@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kernels.barrier import fusion_barrier
 from .kernels.linear import f32_linear
 from .kernels.moe import moe_experts, swiglu
 from .kernels.topk import topk_indices
@@ -97,7 +98,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xf = x.reshape(-1, shape[-1])
+        xf = fusion_barrier(x.reshape(-1, shape[-1]))
         w, idx = self.gate(xf, ids.reshape(-1))
         y = self.experts(xf, w, idx) + self.shared_experts(xf).float()
         return y.to(x.dtype).view(shape)

@@ -156,7 +156,7 @@ DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier":
            "topk": "select", "indexer_scores": "kernel", "fp8_qdq": "kernel",
            "fp4_qdq": "kernel", "hadamard": "kernel", "fp8_block_linear": "kernel", "mxfp4_linear": "kernel",
            "f32_linear": "kernel", "grouped_linear": "kernel", "fp8_block_linear_stacked": "kernel",
-           "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference",
+           "fp8_block_linear_shared": "reference", "mxfp4_linear_stacked": "kernel", "mxfp4_linear_gathered": "reference",
            "mxfp4_swiglu_gathered": "reference", "hc_sinkhorn": "kernel",
            "moe_experts": "routed", "sparse_attention": "kernel", "sparse_attention_rows": "kernel"}
 GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
@@ -164,7 +164,7 @@ GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kern
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}
 GPU_ONLY = {"fp8_block_linear": "kernel_small_rows", "f32_linear": "kernel_small_rows",
             "grouped_linear": "kernel_small_rows", "mxfp4_linear_gathered": "kernel_gemm",
-            "mxfp4_swiglu_gathered": "kernel"}
+            "mxfp4_swiglu_gathered": "kernel", "fp8_block_linear_shared": "kernel"}
 
 # (targets, model, batch_invariant, --kernel choices) -> (changes to DEFAULT, {target: extra flags})
 CASES = [
@@ -187,7 +187,7 @@ CASES = [
      {"cuda": ()}),
     (("llvm-cpu",), TINY, False, {"*": "weight_only"},
      {n: "weight_only" for n in ("fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked",
-                                 "mxfp4_linear_stacked")}, {"llvm-cpu": ()}),
+                                 "fp8_block_linear_shared", "mxfp4_linear_stacked")}, {"llvm-cpu": ()}),
 ]
 
 

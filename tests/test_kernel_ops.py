@@ -22,8 +22,8 @@ from dsv4.export.kernel_op import use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.quant.formats import fp8_fn_to_fnuz
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_stacked, grouped_linear, mxfp4_linear,
-                                       mxfp4_linear_gathered, mxfp4_linear_stacked)
+from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_shared, fp8_block_linear_stacked,
+                                       grouped_linear, mxfp4_linear, mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts, mxfp4_swiglu_gathered
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard
@@ -126,6 +126,14 @@ class StackedLinear(nn.Module):
         return self.fn(x, self.weight, self.scale)
 
 
+class SharedLinear(StackedLinear):
+    """fp8_block_linear_shared: one x [M, K] for the 3 FP8 weights of the stack."""
+
+    def __init__(self):
+        super().__init__(fp8=True)
+        self.fn = fp8_block_linear_shared
+
+
 class GatheredLinear(nn.Module):
     """mxfp4_linear_gathered: row block g times expert sel[g] of 4."""
 
@@ -210,6 +218,7 @@ def _cases() -> dict:
         "f32_linear": (F32Linear, (_r(2, T, 128),), (1,)),
         "grouped_linear": (GroupedLinear, (_r(2, T, 4, 64),), (1,)),
         "fp8_block_linear_stacked": (lambda: StackedLinear(True), (_r(3, T, 128),), (1,)),
+        "fp8_block_linear_shared": (SharedLinear, (_r(T, 128),), (0,)),
         "mxfp4_linear_stacked": (lambda: StackedLinear(False), (_r(3, T, 128),), (1,)),
         "mxfp4_linear_gathered": (GatheredLinear, (_r(T, 3, 128), torch.randint(0, 4, (T,), generator=G)), (0, 0)),
         # 16-row blocks, as a decode's grouped experts

@@ -23,6 +23,7 @@ from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import (
     f32_linear,
     fp8_block_linear,
+    fp8_block_linear_shared,
     fp8_block_linear_stacked,
     grouped_linear,
     mxfp4_linear,
@@ -200,6 +201,10 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     if form in ("kernel", "kernel_fp8"):
         cases["stacked"] = (fp8_block_linear_stacked, (torch.stack(ws), torch.stack(ss)), [xs],
                             {"fp8_block_linear_stacked": form})
+    if form == "kernel":  # one x for both weights (the shared expert's w1 and w3 at decode), 3 rows and 1
+        for name, rows in (("shared", x), ("shared1", x[:1])):
+            cases[name] = (fp8_block_linear_shared, (torch.stack(ws), torch.stack(ss)), [rows],
+                           {"fp8_block_linear_shared": form})
     out = build(cases, kernel_compile, tmp_path, f"quant-fp8-{form}")
     xq = block_qdq(x.double().numpy(), 128, fp4=False)
     assert_sum_close(out["lin"][0], xq @ wd.T, np.abs(xq) @ np.abs(wd).T, f"fp8_block_linear[{form}]")
@@ -210,6 +215,13 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
             xq = block_qdq(xs[e].double().numpy(), 128, fp4=False)
             assert_sum_close(out["stacked"][0][e], xq @ wsd[e].T, np.abs(xq) @ np.abs(wsd[e]).T,
                              f"fp8_block_linear_stacked[{form}][{e}]")
+    xq = block_qdq(x.double().numpy(), 128, fp4=False)
+    for name, n in (("shared", 3), ("shared1", 1)):
+        if name in out:
+            assert out[name][0].shape == (2, n, 256)
+            for e in range(2):
+                assert_sum_close(out[name][0][e], xq[:n] @ wsd[e].T, np.abs(xq[:n]) @ np.abs(wsd[e]).T,
+                                 f"fp8_block_linear_shared[{e}], {n} rows")
 
 
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32"])
@@ -328,6 +340,11 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
     key[1, :10] = key[1, 10]  # ties at the threshold
     key32 = torch.from_numpy(RNG.integers(-2**31, 2**31, (3, 40)).astype(np.int32))
     key32[0, ::3] = key32[0, 1]  # a run of equal keys
+    # int64 keys: low halves alike and high halves apart (and the reverse), both signs, the extremes
+    key64 = torch.from_numpy(RNG.integers(-2**62, 2**62, (3, 40)))
+    key64[0, :8] = torch.tensor([5, 5 + 2**32, 5 - 2**32, -5, 2**33, 2**33 + 7, -2**63, 2**63 - 1])
+    key64[1, ::4] = key64[1, 3]  # a run of equal keys
+    key64[2, :20] = key64[2, :20] % 7 + (torch.arange(20) % 3 - 1) * 2**32  # equal low halves, three high halves
     key32[2, :5] = torch.tensor([-2**31, 2**31 - 1, 0, -1, 2**31 - 1], dtype=torch.int32)  # the int32 extremes
     xn = torch.from_numpy((RNG.standard_normal((2, 3, 96)) * np.logspace(-3, 2, 96)).astype(np.float32))
     xn[0, 0] = 0.0  # an all-zero row: eps alone under the root
@@ -344,6 +361,8 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
         "radix": (lambda k: radix_threshold(k, 5), (), [key], {"radix_threshold": "kernel"}),
         "rank": (lambda k: pair_rank(k, 1), (), [key32], {"pair_rank": "kernel"}),
         "group_rank": (lambda k: pair_rank(k, 0), (), [key32 % 5], {"pair_rank": "kernel"}),
+        "rank64": (lambda k: pair_rank(k, 1), (), [key64], {"pair_rank": "kernel"}),
+        "group_rank64": (lambda k: pair_rank(k, 0), (), [key64], {"pair_rank": "kernel"}),
     }, kernel_compile, tmp_path, "mhc-attn-topk")
     for name, x in (("norm", xn), ("norm_bf16", xn.bfloat16())):
         xd = x.double().numpy()
@@ -380,3 +399,8 @@ def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
     groups = (key32 % 5).numpy()  # 5 groups of equal keys: each entry's count of earlier equal ones
     want_group = [[(row[:i] == row[i]).sum() for i in range(row.size)] for row in groups]
     np.testing.assert_array_equal(out["group_rank"][0], np.array(want_group, np.float32), err_msg="pair_rank by_value=0")
+    k64 = key64.numpy()
+    order = np.argsort(-k64.astype(object), axis=-1, kind="stable")  # exact: no int64 overflow negating -2^63
+    np.testing.assert_array_equal(out["rank64"][0], np.argsort(order, axis=-1).astype(np.float32), err_msg="pair_rank int64")
+    want_group = [[(row[:i] == row[i]).sum() for i in range(row.size)] for row in k64]
+    np.testing.assert_array_equal(out["group_rank64"][0], np.array(want_group, np.float32), err_msg="pair_rank int64 by_value=0")

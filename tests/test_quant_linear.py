@@ -240,7 +240,8 @@ def test_stacked_linear_and_quantized_moe_vs_float64(fmt, weight_only):
     from dsv4.model.kernels.moe import moe_experts
 
     alts = {op for op, k in KERNELS.items() if "weight_only" in k.alternatives}
-    assert alts == {"fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
+    assert alts == {"fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "fp8_block_linear_shared",
+                    "mxfp4_linear_stacked"}
     mode = weight_only_linears() if weight_only else nullcontext()
 
     g = torch.Generator().manual_seed({"fp8": 1, "fp4": 2, "plain": 3}[fmt])

@@ -50,8 +50,8 @@ from . import KERNELS, kernel, overrides
 from .qdq import block_qdq
 
 __all__ = ["linear", "stacked_linear", "gathered_linear", "is_packed_mxfp4_stack", "f32_linear", "grouped_linear",
-           "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq",
-           "weight_only_linears"]
+           "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "fp8_block_linear_shared",
+           "mxfp4_linear_stacked", "mxfp4_linear_gathered", "fp8_act_qdq", "weight_only_linears"]
 
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _F = (torch.float32, torch.bfloat16)
@@ -237,6 +237,16 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
     return torch.matmul(fp8_act_qdq(x, FP8_BLOCK), w.transpose(1, 2)).to(x.dtype)
 
 
+@kernel("fp8_block_linear_shared", args={"x": "M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
+        results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
+        mlir=_MLIR, trace_sizes=("M",), alternatives={"weight_only": _fp8_weight_only})
+def fp8_block_linear_shared(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8_block_linear_stacked of one x [M, K] for every weight of the stack [E, N, K] -> [E, M, N] in x.dtype
+    (the shared expert's w1 and w3 at decode, layers.stacked_pair). The kernel quantizes x once and its
+    GEMM reads it for every e: as an [E, M, K] broadcast the copy was a dispatch a layer at batch 64."""
+    return fp8_block_linear_stacked(x.expand(weight.shape[0], *x.shape), weight, scale)
+
+
 @kernel("mxfp4_linear_stacked", args={"x": "E, M, K", "packed": "E, N, KP", "scale": "E, N, KS"},
         results={"y": "E, M, N"}, static=("N", "K", "KP", "KS"), dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2]},
         mlir=_MLIR, mlir_variants=_MXFP4_GEMMS, trace_sizes=("M",), alternatives={"weight_only": _mxfp4_weight_only})
@@ -310,6 +320,8 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         (_check_fp8 if fp8 else _check_mxfp4)(x, weight, scale, "stacked_linear")
         if x.dim() == 3 and x.shape[0] != weight.shape[0]:
             raise ValueError(f"stacked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in E")
+        if x.dim() == 2 and fp8:
+            return fp8_block_linear_shared(x, weight, scale)
         if x.dim() == 2:  # a view: the hook quantizes E copies, a few MB beside the E decoded weights
             x = x.expand(weight.shape[0], *x.shape)
         return (fp8_block_linear_stacked if fp8 else mxfp4_linear_stacked)(x, weight, scale)

@@ -169,8 +169,11 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
         P = e.shape[0]
         if not isinstance(P, int):  # a prefill's dynamic P; decode keeps its P x P form (measured clean on cuda)
             return _chunked_ranks(e, n_experts)
-        # expert ids fit int32; the P x P count as the pair_rank kernel (one row of P keys)
-        return pair_rank(e.to(torch.int32)[None, :], 0)[0].to(torch.int64)
+        # the P x P count as the pair_rank kernel (one row of P keys), on the int64 ids as they come: a cast
+        # to int32 was a dispatch a routed layer (Flash-4 decode_bs64). The barrier keeps the ids' producer
+        # out of the count: a top-k gate's float-to-int conversion fused in, and gfx942's compile of the
+        # count did not finish in 150 s (0.6 s without it)
+        return pair_rank(fusion_barrier(e)[None, :], 0)[0].to(torch.int64)
     onehot = (e[:, None] == torch.arange(n_experts, device=e.device)[None, :]).to(torch.int64)  # [P,E]
     return onehot.cumsum(0).gather(1, e[:, None])[:, 0] - 1
 

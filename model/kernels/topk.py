@@ -75,9 +75,9 @@ def radix_threshold(key: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @kernel("pair_rank", args={"key": "R, N", "by_value": int}, results={"rank": "R, N"}, static=("N",),
-        dtypes={"key": (torch.int32,)}, result_dtypes={"rank": torch.float32}, mlir="pair_rank.mlir.jinja")
+        dtypes={"key": (torch.int32, torch.int64)}, result_dtypes={"rank": torch.float32}, mlir="pair_rank.mlir.jinja")
 def pair_rank(key: torch.Tensor, by_value: int) -> torch.Tensor:
-    """Per row of int32 keys [R, N], float32 counts (exact below 2^24): rank_i = #{j < i: key_j == key_i},
+    """Per row of int32 or int64 keys [R, N], float32 counts (exact below 2^24): rank_i = #{j < i: key_j == key_i},
     plus #{j: key_j > key_i} when `by_value`. With it, entry i's place in the stable descending order (a
     permutation of 0..N-1: topk_rank, and topk_radix's ordering step); without, its place among the
     equal keys (the routed MoE's counting sort, moe.pair_ranks). The kernel reads each key pair
