@@ -98,6 +98,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        # the barrier keeps the norm before it out of the experts' dispatches: fused, its scaling was cloned
+        # into the shared expert's quantization and the mHC collapse before the norm became a dispatch of
+        # its own (Flash-4 decode_bs64 +4, docs/performance.md)
         xf = fusion_barrier(x.reshape(-1, shape[-1]))
         w, idx = self.gate(xf, ids.reshape(-1))
         y = self.experts(xf, w, idx) + self.shared_experts(xf).float()

@@ -308,9 +308,10 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     """`linear` for a stack of weights at once: x [N, K] or [E, N, K], weight [E, O, K(/2)] in any format
     `linear` takes (scales stacked [E, ...]) -> [E, N, O] in x.dtype; out[e] == linear(x or x[e], weight[e],
     scale[e]) up to fp32 summation order. One dequantize for all E (the MoE reference: a per-expert loop
-    traces E times as many graph nodes). A 3-D x goes through the
-    stacked kernel hooks (one graph node each in export); a shared 2-D x (the eager all-experts
-    reference) is broadcast to [E, N, K] (a view), so both forms run the same hooks."""
+    traces E times as many graph nodes). A 3-D x goes through the stacked kernel hooks (one graph node
+    each in export); a shared 2-D x (the eager all-experts reference, the shared expert's decode pair)
+    goes through `fp8_block_linear_shared` for FP8 weights, whose reference is the stacked hook on the
+    [E, N, K] broadcast, and is broadcast (a view) for MXFP4, so both forms run the same hooks."""
     if weight.dim() != 3:
         raise ValueError(f"stacked_linear: weight must be [E, O, K], got {tuple(weight.shape)}")
     if weight.dtype in FP8_FORMATS or weight.dtype in (torch.uint8, torch.int8):
