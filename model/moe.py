@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels.barrier import fusion_barrier
 from .kernels.linear import f32_linear
 from .kernels.moe import moe_experts, swiglu
 from .kernels.topk import topk_indices
@@ -98,10 +97,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        # the barrier keeps the norm before it out of the experts' dispatches: fused, its scaling was cloned
-        # into the shared expert's quantization and the mHC collapse before the norm became a dispatch of
-        # its own (Flash-4 decode_bs64 +4, docs/performance.md)
-        xf = fusion_barrier(x.reshape(-1, shape[-1]))
+        xf = x.reshape(-1, shape[-1])
         w, idx = self.gate(xf, ids.reshape(-1))
         y = self.experts(xf, w, idx) + self.shared_experts(xf).float()
         return y.to(x.dtype).view(shape)
