@@ -114,7 +114,8 @@ def test_weight_only_export_equals_eager_to_fp32_rounding(weight_only_export: Pa
     raw = json.loads((weight_only_export / "config.json").read_text())
     chosen = raw["targets"]["llvm-cpu"]["kernels"]
     assert {op for op, impl in chosen.items() if impl == "weight_only"} == {
-        "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "mxfp4_linear_stacked"}
+        "fp8_block_linear", "mxfp4_linear", "fp8_block_linear_stacked", "fp8_block_linear_shared",
+        "mxfp4_linear_stacked"}
     prompt = np.random.default_rng(0).integers(2, 512, size=40).tolist()
     rep = run_audit(weight_only_export, prompt_ids=prompt, steps=12, work_dir=tmp_path)
     assert rep.consistent and rep.greedy_agree == "13/13" and rep.weights_mismatch == [], rep.table()
