@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from dsv4.bench.traffic import datasheet_peak, expected_distinct, experts_read_in_place, step_bytes
+from dsv4.bench.traffic import datasheet_peak, expected_distinct, reads_in_place, step_bytes
 from dsv4.contract.artifact import TensorSpec, verify_name, whole_inventory
 
 __all__ = ["Backend", "IreeBackend", "measure", "measure_ttft", "row_prompts", "copy_bandwidth", "main",
@@ -259,22 +259,18 @@ def traffic_rows(cfg: Any, tensors: Sequence[TensorSpec], decode: Sequence[dict]
     uniform-routing expectation."""
     m = cfg.model
     E, k = m.get("n_routed_experts", 1), m.get("num_experts_per_tok", 1)
-    kernels = {t: v.get("kernels", {}) for t, v in cfg.raw.get("targets", {}).items()}
-    gathered = {kv.get("mxfp4_linear_gathered", "reference") for kv in kernels.values()}
-    gathered_impl = gathered.pop() if len(gathered) == 1 else "reference"
     out = []
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in decode):
         rows = [r for r in decode if (r["batch"], r["context"]) == (batch, context)]
         measured = next((r for r in rows if r.get("experts_distinct") is not None), None)
-        in_place = experts_read_in_place(gathered_impl, E, k, batch)
+        reads = reads_in_place(cfg.raw, E, k, batch)
         b = step_bytes(m, tensors, cfg.state, batch, context, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
-                       experts_in_place=in_place,
-                       distinct_experts=None if measured is None else measured["experts_distinct"])
+                       **reads, distinct_experts=None if measured is None else measured["experts_distinct"])
         t: dict[str, Any] = {"batch": batch, "context": context,
                              "experts_distinct_uniform": expected_distinct(E, k, batch),
                              "experts_distinct_measured": None if measured is None else measured["experts_distinct"],
                              "experts_measured_by": None if measured is None else measured["backend"],
-                             "experts_gathered": b["experts_gathered"], "experts_in_place": in_place}
+                             "experts_gathered": b["experts_gathered"], **reads}
         for acct in ("implementation", "release"):
             a = b[acct]
             t[acct] = {**a, "copy_ms": 1e3 * a["total"] / (copy_gbps * 1e9),

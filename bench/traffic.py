@@ -3,7 +3,9 @@ runtime-only install), in two accounts:
 
 * ``implementation``: what the current lowering reads (export/lowering.py, model/kernels):
   - dense FP8 weights: the decode entry points use a bf16 copy decoded once at load (the compiler
-    hoists it, export/compile.py HOIST_FLAG): 2 bytes a weight, the block scales not read;
+    hoists it, export/compile.py HOIST_FLAG): 2 bytes a weight, the block scales not read; a one-row
+    decode whose FP8 linears take `kernel_fp8_gemv` (a GPU export's default) reads the FP8 bytes and
+    scales instead (`fp8_read_in_place`);
   - fp32 weights of `f32_linear` (compressor wkv/wgate, the router gate, the mHC mixes) beside a bf16
     activation: three bf16 terms (model/kernels/dense.mlir.jinja): 6 bytes a weight;
   - routed experts: `moe_experts_routed` gathers one expert's weights per (token, slot) pair when
@@ -36,7 +38,8 @@ from typing import Any, Mapping, Sequence
 from dsv4.contract.artifact import TensorSpec, state_stage
 from dsv4.contract.release import BF16, F32, FP8_LINEAR, I64
 
-__all__ = ["DATASHEET_TBPS", "GROUP_BLOCK", "datasheet_peak", "expected_distinct", "expert_blocks", "experts_read_in_place", "step_bytes"]
+__all__ = ["DATASHEET_TBPS", "GROUP_BLOCK", "datasheet_peak", "expected_distinct", "expert_blocks", "experts_read_in_place",
+           "fp8_read_in_place", "reads_in_place", "step_bytes"]
 
 # HBM bandwidth from the vendors' datasheets, TB/s, by a name the driver reports
 DATASHEET_TBPS = {"H200": 4.8, "MI300X": 5.3}
@@ -113,9 +116,26 @@ def experts_read_in_place(gathered_impl: str, n_experts: int, k: int, batch: int
     return gathered_impl == "kernel" or (gathered_impl == "kernel_gemm" and batch * k > n_experts)
 
 
+def fp8_read_in_place(kernels: Mapping[str, str], batch: int) -> bool:
+    """Whether a decode of `batch` rows reads the dense FP8 weights as stored (1 byte a weight and the block
+    scales) under the export's kernel choices: one row, both FP8 linears (the shared expert's pair
+    included) lowered with `kernel_fp8_gemv`; otherwise their bf16 copy made at load time."""
+    return batch == 1 and all(kernels.get(op) == "kernel_fp8_gemv" for op in ("fp8_block_linear", "fp8_block_linear_shared"))
+
+
+def reads_in_place(raw_config: Mapping[str, Any], n_experts: int, k: int, batch: int) -> dict[str, bool]:
+    """step_bytes' `experts_in_place` and `fp8_in_place` for a decode of `batch` rows of an export (its
+    config.json as a dict): what every target's kernel choices read in place (a mixed-target export whose
+    targets differ gets the copies' account)."""
+    kernels = [t.get("kernels", {}) for t in raw_config.get("targets", {}).values()] or [{}]
+    return {"experts_in_place": all(experts_read_in_place(kv.get("mxfp4_linear_gathered", "reference"), n_experts, k, batch)
+                                    for kv in kernels),
+            "fp8_in_place": all(fp8_read_in_place(kv, batch) for kv in kernels)}
+
+
 def step_bytes(model: Mapping[str, Any], tensors: Sequence[TensorSpec], state: Sequence[Any], batch: int,
                context: int, max_seq_len: int, activation_dtype: str, experts_in_place: bool = False,
-               distinct_experts: float | None = None) -> dict[str, Any]:
+               distinct_experts: float | None = None, fp8_in_place: bool = False) -> dict[str, Any]:
     """Bytes of one decode step of `batch` rows at position ~`context` (module docstring): for each
     account {"layers", "head", "state", "total", "per_layer"} (layers includes the state; per_layer is
     layers / num_hidden_layers), plus the expert counts used. `tensors`: the export's whole-tensor
@@ -145,9 +165,9 @@ def step_bytes(model: Mapping[str, Any], tensors: Sequence[TensorSpec], state: S
         rows = min(1.0, batch / V) if name == "embed.weight" or I64.search(name) else 1.0
         rel[part] += 0.0 if name.endswith(".scale") else _release_bytes(name, spec, expert_dtype) * rows
         if spec.dtype.startswith("float8"):
-            impl[part] += 2 * n  # the hoisted bf16 copy
+            impl[part] += n if fp8_in_place else 2 * n  # as stored, or the hoisted bf16 copy
         elif name.endswith(".scale") and name[:-6] + ".weight" in fp8_weights:
-            pass  # folded into that copy
+            impl[part] += stored if fp8_in_place else 0  # read beside the FP8 bytes, or folded into the copy
         elif spec.dtype == "float32" and bf16_act and _F32_LINEAR.search(name):
             impl[part] += 6 * n  # three bf16 terms
         else:
@@ -164,7 +184,7 @@ def step_bytes(model: Mapping[str, Any], tensors: Sequence[TensorSpec], state: S
             per_slot *= rows_kept / st.shape[2]
         s += per_slot * batch
     out: dict[str, Any] = {"experts_distinct": distinct, "experts_gathered": blocks,
-                           "experts_in_place": experts_in_place}
+                           "experts_in_place": experts_in_place, "fp8_in_place": fp8_in_place}
     for key, acc in (("implementation", impl), ("release", rel)):
         layers = acc["layers"] + s
         out[key] = {"layers": layers, "head": acc["head"], "state": s, "total": layers + acc["head"],
@@ -189,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'batch':>5} {'experts':>7} {'gathered':>8} {'impl MB':>10} {'impl MB/layer':>13} {'release MB':>10} "
           f"{'rel MB/layer':>12}")
     for b in a.batch or cfg.decode_batch_sizes:
-        r = step_bytes(cfg.model, tensors, cfg.state, b, ctx, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""))
+        E, k = cfg.model.get("n_routed_experts", 1), cfg.model.get("num_experts_per_tok", 1)
+        r = step_bytes(cfg.model, tensors, cfg.state, b, ctx, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
+                       **reads_in_place(cfg.raw, E, k, b))
         i, x = r["implementation"], r["release"]
         print(f"{b:>5} {r['experts_distinct']:>7.1f} {r['experts_gathered']:>8} {i['total'] / 1e6:>10.2f} "
               f"{i['per_layer'] / 1e6:>13.2f} {x['total'] / 1e6:>10.2f} {x['per_layer'] / 1e6:>12.2f}")

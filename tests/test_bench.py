@@ -166,7 +166,7 @@ def test_step_bytes_matches_a_hand_count() -> None:
     read as its bf16 copy (scale not read) against 1 byte + a scale byte per block, an fp32 gate as
     three bf16 terms against bf16, gathered experts 3x per gather against MXFP4 per distinct expert;
     the state in both."""
-    from dsv4.bench.traffic import experts_read_in_place, step_bytes
+    from dsv4.bench.traffic import experts_read_in_place, fp8_read_in_place, reads_in_place, step_bytes
     from dsv4.contract.artifact import StateSpec, TensorSpec
 
     model = {"vocab_size": 100, "num_hidden_layers": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -207,6 +207,18 @@ def test_step_bytes_matches_a_hand_count() -> None:
     # an fp32 activation runs the fp32 gate weight as stored
     f32 = step_bytes(model, tensors, state, b, ctx, 1024, "float32")
     assert f32["implementation"]["layers"] == pytest.approx(impl_layer - 8 * 10 * 2 + st)
+    # the one-row FP8 GEMV reads the weight's bytes and its scales (2 blocks of 128 x 128) in place of the bf16 copy
+    fp8 = step_bytes(model, tensors, state, b, ctx, 1024, "bfloat16", fp8_in_place=True)
+    assert fp8["implementation"]["layers"] == pytest.approx(impl_layer - 256 * 128 + 2 + st)
+    gemv = {"fp8_block_linear": "kernel_fp8_gemv", "fp8_block_linear_shared": "kernel_fp8_gemv"}
+    assert [fp8_read_in_place(gemv, b) for b in (1, 2)] == [True, False]
+    assert not fp8_read_in_place({**gemv, "fp8_block_linear_shared": "kernel"}, 1)
+    raw = {"targets": {"gfx942": {"kernels": {**gemv, "mxfp4_linear_gathered": "kernel_gemm"}},
+                       "cuda": {"kernels": {**gemv, "mxfp4_linear_gathered": "kernel_gemm"}}}}
+    assert reads_in_place(raw, 256, 6, 1) == {"experts_in_place": False, "fp8_in_place": True}
+    assert reads_in_place(raw, 256, 6, 64) == {"experts_in_place": True, "fp8_in_place": False}
+    raw["targets"]["llvm-cpu"] = {"kernels": {}}  # a target that copies: the copies' account
+    assert reads_in_place(raw, 256, 6, 1) == {"experts_in_place": False, "fp8_in_place": False}
 
 
 def _flash_inventory() -> tuple[dict, list]:

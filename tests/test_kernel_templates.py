@@ -189,19 +189,26 @@ def test_hadamard_template_generics_stay_small(D: int) -> None:
 
 
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16",
-                                  "kernel_small_rows"])
+                                  "kernel_small_rows", "kernel_fp8_gemv"])
 def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     w, s, wd = fp8_weight(256, 256)
     ws, ss, wsd = zip(*[fp8_weight(256, 256) for _ in range(2)])
     x = torch.from_numpy(RNG.standard_normal((3, 256)).astype(np.float32))
     xs = torch.from_numpy(RNG.standard_normal((2, 3, 256)).astype(np.float32))
+    # every code but NaN, each in rows 0..127; rows 128..255 hold only subnormals and zeros (+-0 .. +-7 x 2^-9),
+    # so a wrong decode of them is not lost in the rounding of a sum over the large codes
+    c = RNG.permuted(np.tile(np.r_[0:127, 128:255, 0, 128], (128, 1)), axis=1)
+    c = np.concatenate([c, RNG.choice(np.r_[0:8, 128:136], (128, 256))]).astype(np.uint8)
+    wc = torch.from_numpy(c).view(torch.float8_e4m3fn)
+    wcd = wc.double().numpy() * np.kron(np.ldexp(1.0, s.numpy().astype(np.int64) - 127), np.ones((128, 128)))
     cases = {"lin": (fp8_block_linear, (w, s), [x], {"fp8_block_linear": form}),
              # one row: the decode GEMV (a matvec in the "kernel" form)
-             "lin1": (fp8_block_linear, (w, s), [x[:1]], {"fp8_block_linear": form})}
+             "lin1": (fp8_block_linear, (w, s), [x[:1]], {"fp8_block_linear": form}),
+             "codes1": (fp8_block_linear, (wc, s), [x[:1]], {"fp8_block_linear": form})}
     if form in ("kernel", "kernel_fp8"):
         cases["stacked"] = (fp8_block_linear_stacked, (torch.stack(ws), torch.stack(ss)), [xs],
                             {"fp8_block_linear_stacked": form})
-    if form == "kernel":  # one x for both weights (the shared expert's w1 and w3 at decode), 3 rows and 1
+    if form in ("kernel", "kernel_fp8_gemv"):  # one x for both weights (the shared expert's w1 and w3 at decode)
         for name, rows in (("shared", x), ("shared1", x[:1])):
             cases[name] = (fp8_block_linear_shared, (torch.stack(ws), torch.stack(ss)), [rows],
                            {"fp8_block_linear_shared": form})
@@ -210,6 +217,7 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     assert_sum_close(out["lin"][0], xq @ wd.T, np.abs(xq) @ np.abs(wd).T, f"fp8_block_linear[{form}]")
     assert out["lin1"][0].shape == (1, 256)
     assert_sum_close(out["lin1"][0], xq[:1] @ wd.T, np.abs(xq[:1]) @ np.abs(wd).T, f"fp8_block_linear[{form}], one row")
+    assert_sum_close(out["codes1"][0], xq[:1] @ wcd.T, np.abs(xq[:1]) @ np.abs(wcd).T, f"fp8_block_linear[{form}], every code")
     if "stacked" in out:
         for e in range(2):
             xq = block_qdq(xs[e].double().numpy(), 128, fp4=False)

@@ -204,17 +204,20 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.mark.slow  # compiles
 @pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16",
-                                  "kernel_small_rows"])
+                                  "kernel_small_rows", "kernel_fp8_gemv"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
     if impl in ("kernel_fp8", "kernel_rows16"):  # FP8-only GEMM forms (rows16: padded rows)
         cases = {k: v for k, v in cases.items() if k.startswith("fp8")}
     elif impl == "kernel_small_rows":  # fp8_block_linear only: 3 static rows padded to 8, 10 rows as "kernel"
         cases = {k: cases[k] for k in ("fp8", "fp8_m3")}
+    elif impl == "kernel_fp8_gemv":  # one static row reads the FP8 bytes (both formats, both scale dtypes), 3 rows padded
+        cases = {**{f"{k}_row": (cases[k][0], cases[k][1][:1, :1]) for k in ("fp8", "fp8_fnuz", "fp8_e8m0fnu")},
+                 "fp8_m3": cases["fp8_m3"]}
     elif impl in ("kernel_bf16", "kernel_f32"):  # FP8 and MXFP4 forms (the gathered MXFP4 one has neither)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
     # rows16 pads the rows of the static-row (decode) form: static shapes (10 rows -> 16, 16 and 20 -> 32)
-    padded = impl in ("kernel_rows16", "kernel_small_rows")
+    padded = impl in ("kernel_rows16", "kernel_small_rows", "kernel_fp8_gemv")
     mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if padded else ())
     if padded:
         assert "tensor.pad" in mlir.read_text()
@@ -312,6 +315,32 @@ def test_quant_kernels_compile_for_cuda_and_gfx942(tmp_path):
     # the f32 GEMM (decode) converts fnuz in hardware; the FP8 GEMM (dynamic rows) is on MFMA
     assert re.search(r"v_cvt_pk_f32_fp8", isa), "gfx942 lost the hardware fp8 conversion"
     assert re.search(r"v_mfma_f32_(16x16x32|32x32x16)_fp8_fp8", isa), "gfx942: the FP8 GEMM is not on the matrix cores"
+
+
+@pytest.mark.slow  # compiles for two GPU targets
+def test_fp8_gemv_reads_the_fp8_bytes_on_both_gpus(tmp_path):
+    """kernel_fp8_gemv (a GPU export's decode at batch 1): the one-row GEMV's dispatch reads the FP8 weight,
+    1 byte a weight, and nothing writes or reads a decoded bf16 copy of it (the other forms' copy, made at
+    load time, is 2 bytes a weight). gfx942 (e4m3fnuz) converts with the hardware instruction and keeps
+    nothing in scratch memory; cuda gets e4m3fn. The numerics: test_quant_linear_kernels_vs_float64."""
+    from dsv4.export.compile import resolve_target
+    from dsv4.export.inspect import executable_sources
+
+    cases = _linear_cases()
+    N, K = cases["fp8"][0].params[0].shape
+    binding = re.compile(r"dispatch\.tensor<(readonly|writeonly|readwrite):tensor<([0-9x]+)x(\w+)>>")
+    for target, case, fp8 in (("gfx942", "fp8_fnuz", "f8E4M3FNUZ"), ("cuda", "fp8", "f8E4M3FN")):
+        mod, x = cases[case]
+        mlir = _export({"decode": (mod, x[:1, :1])}, tmp_path / f"{target}.mlir", "kernel_fp8_gemv", static=("decode",))
+        src = tmp_path / f"{target}.sources.mlir"
+        executable_sources(mlir, resolve_target(target).flags, src)
+        types = [(acc, int(np.prod([int(d) for d in shape.split("x")])), elem)
+                 for acc, shape, elem in binding.findall(src.read_text())]
+        assert ("readonly", N * K, fp8) in types, f"{target}: no dispatch reads the FP8 weight: {types}"
+        assert not [t for t in types if t[1] == N * K and t[2] == "bf16"], f"{target}: a decoded weight copy: {types}"
+        res = compile_mlir(mlir, target, tmp_path / f"{target}.vmfb")
+        if target == "gfx942" and (isa := _gfx942_disassembly(res.path)) is not None:
+            assert "v_cvt_pk_f32_fp8" in isa and "scratch_" not in isa, "gfx942: no hardware fp8 conversion, or scratch"
 
 
 def test_fp8_linear_gemm_form_follows_the_traced_rows(tmp_path):

@@ -74,6 +74,10 @@ _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
 # take the matrix cores, one row is a GEMV. llvm-cpu keeps the unpadded form: padded, its decode_bs4 no
 # longer agreed bit for bit with decode_bs1 (tests/test_batch_invariance.py, the embedded default)
 SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
+# "kernel_fp8_gemv" (the FP8 linears; a GPU-only export's default): kernel_small_rows, and a one-row GEMV (decode
+# at batch 1) decodes the FP8 weight inside its own dispatch, reading 1 byte a weight plus the block scales, where
+# the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Same values and products
+FP8_GEMV = {"kernel_fp8_gemv": {"small_row_tile": 8, "fp8_gemv": True}}
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
 # an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)
@@ -154,7 +158,8 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants={**_GEMMS, **SMALL_ROWS}, trace_sizes=("...",), alternatives={"weight_only": _fp8_weight_only})
+        mlir_variants={**_GEMMS, **SMALL_ROWS, **FP8_GEMV}, trace_sizes=("...",),
+        alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (docs/model.md, Reference numerics).
 
@@ -239,7 +244,8 @@ def fp8_block_linear_stacked(x: torch.Tensor, weight: torch.Tensor, scale: torch
 
 @kernel("fp8_block_linear_shared", args={"x": "M, K", "weight": "E, N, K", "scale": "E, NB, KB"},
         results={"y": "E, M, N"}, static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES},
-        mlir=_MLIR, trace_sizes=("M",), alternatives={"weight_only": _fp8_weight_only})
+        mlir=_MLIR, mlir_variants={"kernel_fp8_gemv": {"fp8_gemv": True}}, trace_sizes=("M",),
+        alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear_shared(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8_block_linear_stacked of one x [M, K] for every weight of the stack [E, N, K] -> [E, M, N] in x.dtype
     (the shared expert's w1 and w3 at decode, layers.stacked_pair). The kernel quantizes x once and its
