@@ -46,6 +46,9 @@ DATASHEET_TBPS = {"H200": 4.8, "MI300X": 5.3}
 # rows per gathered expert block of a decode step: model/kernels/moe.py GROUP_BLOCK (tests/test_bench.py
 # checks the two agree, and `expert_blocks` against the model's `grouped_blocks`)
 GROUP_BLOCK = 16
+# decode pairs past which `moe_experts=routed_blocks` (a GPU-only export) takes the blocks: model/kernels/moe.py
+# ONE_ROW_PAIRS_MAX (tests/test_bench.py checks the two agree)
+ONE_ROW_PAIRS_MAX = 24
 _FP8_BLOCK, _MXFP4_BLOCK = 128, 32
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "uint8": 1,
              "int8": 1, "int64": 8, "int32": 4}
@@ -109,11 +112,13 @@ def _release_expert_bytes(shape: Sequence[int], dtype: str, expert_dtype: str) -
     return 2 * out_f * in_f
 
 
-def experts_read_in_place(gathered_impl: str, n_experts: int, k: int, batch: int) -> bool:
+def experts_read_in_place(gathered_impl: str, n_experts: int, k: int, batch: int, moe_impl: str = "routed") -> bool:
     """Whether a decode of `batch` rows reads its routed experts in place under the export's
-    `mxfp4_linear_gathered` implementation: "kernel" always; "kernel_gemm" when the pairs are grouped
-    into blocks (batch * k > n_experts), its one-row-a-pair GEMV copying the selected experts first."""
-    return gathered_impl == "kernel" or (gathered_impl == "kernel_gemm" and batch * k > n_experts)
+    `mxfp4_linear_gathered` and `moe_experts` implementations: "kernel" always; "kernel_gemm" when the
+    pairs are grouped into blocks (batch * k > n_experts, or > ONE_ROW_PAIRS_MAX under "routed_blocks"),
+    its one-row-a-pair GEMV copying the selected experts first."""
+    one_row_max = min(n_experts, ONE_ROW_PAIRS_MAX) if moe_impl == "routed_blocks" else n_experts
+    return gathered_impl == "kernel" or (gathered_impl == "kernel_gemm" and batch * k > one_row_max)
 
 
 def fp8_read_in_place(kernels: Mapping[str, str], batch: int) -> bool:
@@ -128,8 +133,8 @@ def reads_in_place(raw_config: Mapping[str, Any], n_experts: int, k: int, batch:
     config.json as a dict): what every target's kernel choices read in place (a mixed-target export whose
     targets differ gets the copies' account)."""
     kernels = [t.get("kernels", {}) for t in raw_config.get("targets", {}).values()] or [{}]
-    return {"experts_in_place": all(experts_read_in_place(kv.get("mxfp4_linear_gathered", "reference"), n_experts, k, batch)
-                                    for kv in kernels),
+    return {"experts_in_place": all(experts_read_in_place(kv.get("mxfp4_linear_gathered", "reference"), n_experts, k, batch,
+                                                          kv.get("moe_experts", "routed")) for kv in kernels),
             "fp8_in_place": all(fp8_read_in_place(kv, batch) for kv in kernels)}
 
 

@@ -96,7 +96,8 @@ RULES: dict[str, Rule] = {
     "mxfp4_swiglu_gathered": Rule("reference", batch_invariant="reference", gpu="kernel"),
     "hc_sinkhorn": Rule("kernel"),
     "rms_norm": Rule("kernel"),
-    "moe_experts": Rule("routed"),  # reads only the selected experts' weights
+    # reads only the selected experts' weights; GPUs: decode batches over 24 pairs in 16-row blocks read in place
+    "moe_experts": Rule("routed", batch_invariant="routed", gpu="routed_blocks"),
     # the reference's cuda lowering made NaN rows at Flash dimensions; bitwise across cuda batch sizes
     "sparse_attention": Rule("kernel"),
     "sparse_attention_rows": Rule("kernel"),  # the same kernel over two tables read in place (decode)

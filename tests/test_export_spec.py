@@ -62,7 +62,7 @@ def test_bad_sizes(kw, msg):
     ({"draft_tokens": 2, "devices": 2}, r"--draft-tokens \(MTP speculative decoding\) is exported for one device only"),
     ({"kernels": {"nope": "kernel"}}, "--kernel: unknown kernel op 'nope'"),
     ({"kernels": {"moe_experts": "kernel"}}, r"--kernel: kernel op 'moe_experts' has no implementation 'kernel'; "
-                                             r"choose from \['reference', 'routed'\]"),
+                                             r"choose from \['reference', 'routed', 'routed_blocks'\]"),
     ({"kernels": {"*": "triton"}}, r"no kernel op offers implementation 'triton'"),
 ])
 def test_conflicting_options(kw, msg):
@@ -164,7 +164,8 @@ GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kern
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}
 GPU_ONLY = {"fp8_block_linear": "kernel_fp8_gemv", "f32_linear": "kernel_small_rows",
             "grouped_linear": "kernel_small_rows", "mxfp4_linear_gathered": "kernel_gemm",
-            "mxfp4_swiglu_gathered": "kernel", "fp8_block_linear_shared": "kernel_fp8_gemv"}
+            "mxfp4_swiglu_gathered": "kernel", "fp8_block_linear_shared": "kernel_fp8_gemv",
+            "moe_experts": "routed_blocks"}
 
 # (targets, model, batch_invariant, --kernel choices) -> (changes to DEFAULT, {target: extra flags})
 CASES = [

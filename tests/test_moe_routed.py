@@ -117,7 +117,30 @@ def test_routed_vs_float64_and_reference(fmt, N):
             assert got.dtype == torch.float32 and got.shape == (N, d)
             _close(got, ref, (kind, block, "vs reference"))
             _close(got, want, (kind, block, "vs float64"))
+        if N <= 2:  # the decode's pairs through the 16-row blocks instead (moe_experts_routed_blocks past 24 pairs)
+            got = moe_experts_routed(x, weights, indices, w1, s1, w2, s2, w3, s3, limit, pair_max=0)
+            _close(got, want, (kind, "pair_max 0", "vs float64"))
         assert (x @ r1[indices[0]].transpose(1, 2)).abs().max() > limit  # the clamp is exercised
+
+
+def test_routed_blocks_takes_one_row_pairs_up_to_24(monkeypatch):
+    """A GPU export's routed MoE (moe_experts_routed_blocks): up to ONE_ROW_PAIRS_MAX = 24 pairs one row a
+    pair (decode batches 1-4 at top-6), above that 16-row blocks, although the pairs still fit E."""
+    from dsv4.model.kernels import moe
+
+    seen = []
+    real = moe._expert_rows
+    monkeypatch.setattr(moe, "_expert_rows", lambda xs, *a, **kw: seen.append(tuple(xs.shape)) or real(xs, *a, **kw))
+    g = torch.Generator().manual_seed(3)
+    E, d, k = 64, 32, 6
+    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((16, d), (d, 16), (16, d)))
+    for N in (4, 5):
+        x = torch.randn(N, d, generator=g)
+        weights, indices = _routing(N, E, k, g, "random")
+        got = moe.moe_experts_routed_blocks(x, weights, indices, w1, None, w2, None, w3, None, 10.0)
+        _close(got, moe_experts(x, weights, indices, w1, None, w2, None, w3, None, 10.0), N)
+    assert moe.ONE_ROW_PAIRS_MAX == 24
+    assert seen == [(24, 1, d), (grouped_blocks(30, E, GROUP_BLOCK), GROUP_BLOCK, d)]
 
 
 def test_grouped_blocks_is_a_tight_bound():

@@ -98,6 +98,13 @@ GROUP_BLOCK = 16
 # gathers and decodes its expert's weights, so fewer, fuller blocks read fewer bytes (Flash, 8 x 256
 # tokens: 448 blocks of 64 rows against 1,024 of 16).
 PREFILL_GROUP_BLOCK = 64
+# The most (token, slot) pairs the one-row-a-pair path takes in `moe_experts_routed_blocks` (a GPU-only
+# export's routed MoE); more go through the 16-row blocks. The one-row path copies its experts before
+# their GEMVs, the blocks read them in place inside the GEMM's dispatch: on the H100 (Flash w1 alone,
+# docs/kernels.md) 6 experts took 0.14 ms copied against 0.27 ms as 16-row blocks, 48 took 0.85 ms
+# copied against 0.62 ms. 24 (batch 4 at top-6) keeps batches 1-4 on the copies; between 6 and 48 the
+# crossover is not measured.
+ONE_ROW_PAIRS_MAX = 24
 
 
 _NOT_FIRST = 1e30  # above any sum of k routing weights (each <= routed_scaling_factor)
@@ -214,12 +221,12 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
-                       block: int | None = None) -> torch.Tensor:
+                       block: int | None = None, pair_max: int | None = None) -> torch.Tensor:
     """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
 
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
-      * P static and P <= E (decode): each pair gathers its expert's packed weights (P expert
-        reads, P rows: exactly the routed FLOPs);
+      * P static and P <= E (and <= pair_max, when given) (decode): each pair gathers its expert's
+        packed weights (P expert reads, P rows: exactly the routed FLOPs);
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
         no sort/topk: docs/export.md, IREE 3.13 traps), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
@@ -239,7 +246,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     e = indices.reshape(-1)
     wp = merged_slot_weights(weights, indices).reshape(-1)
     tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
-    if isinstance(P, int) and P <= E:
+    if isinstance(P, int) and P <= min(E, E if pair_max is None else pair_max):
         # the merged weights behind a barrier: fused into the SwiGLU's epilogue, their k x k reduction made
         # that a reduction dispatch computing the [P, inter] epilogue slowly (0.21 ms a layer on the H100)
         out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit)
@@ -271,6 +278,14 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
 
 
+def moe_experts_routed_blocks(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                              w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
+                              w3: torch.Tensor, s3: torch.Tensor | None, limit: float) -> torch.Tensor:
+    """`moe_experts_routed` with the one-row-a-pair path up to ONE_ROW_PAIRS_MAX pairs only: a decode
+    batch with more pairs takes the 16-row blocks, which GPU exports read in place (kernel_gemm)."""
+    return moe_experts_routed(x, weights, indices, w1, s1, w2, s2, w3, s3, limit, pair_max=ONE_ROW_PAIRS_MAX)
+
+
 def routed_moe() -> ContextManager[None]:
     """Context: the `moe_experts` hook runs `moe_experts_routed` (what export installs by default)."""
     return overrides({"moe_experts": moe_experts_routed})
@@ -278,4 +293,5 @@ def routed_moe() -> ContextManager[None]:
 
 # The hot spot: eager (and the tests' oracle) runs the all-experts reference; `dsv4 export` traces
 # the routed form unless `--kernel moe_experts=reference` asks for the reference.
-moe_experts = kernel("moe_experts", alternatives={"routed": moe_experts_routed})(moe_experts_reference)
+moe_experts = kernel("moe_experts", alternatives={"routed": moe_experts_routed,
+                                                  "routed_blocks": moe_experts_routed_blocks})(moe_experts_reference)
