@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = a.context or cfg.max_seq_len
     print(f"{'batch':>5} {'experts':>7} {'gathered':>8} {'impl MB':>10} {'impl MB/layer':>13} {'release MB':>10} "
           f"{'rel MB/layer':>12}")
+    E, k = cfg.model.get("n_routed_experts", 1), cfg.model.get("num_experts_per_tok", 1)
     for b in a.batch or cfg.decode_batch_sizes:
-        E, k = cfg.model.get("n_routed_experts", 1), cfg.model.get("num_experts_per_tok", 1)
         r = step_bytes(cfg.model, tensors, cfg.state, b, ctx, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
                        **reads_in_place(cfg.raw, E, k, b))
         i, x = r["implementation"], r["release"]

@@ -77,7 +77,7 @@ SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
 # "kernel_fp8_gemv" (the FP8 linears; a GPU-only export's default): kernel_small_rows, and a one-row GEMV (decode
 # at batch 1) decodes the FP8 weight inside its own dispatch, reading 1 byte a weight plus the block scales, where
 # the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Same values and products
-FP8_GEMV = {"kernel_fp8_gemv": {"small_row_tile": 8, "fp8_gemv": True}}
+FP8_GEMV = {"kernel_fp8_gemv": {**SMALL_ROWS["kernel_small_rows"], "fp8_gemv": True}}
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
 # an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)

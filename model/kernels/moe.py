@@ -246,7 +246,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     e = indices.reshape(-1)
     wp = merged_slot_weights(weights, indices).reshape(-1)
     tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
-    if isinstance(P, int) and P <= min(E, E if pair_max is None else pair_max):
+    one_row_max = E if pair_max is None else min(E, pair_max)
+    if isinstance(P, int) and P <= one_row_max:
         # the merged weights behind a barrier: fused into the SwiGLU's epilogue, their k x k reduction made
         # that a reduction dispatch computing the [P, inter] epilogue slowly (0.21 ms a layer on the H100)
         out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit)
