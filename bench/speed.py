@@ -263,7 +263,7 @@ def traffic_rows(cfg: Any, tensors: Sequence[TensorSpec], decode: Sequence[dict]
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in decode):
         rows = [r for r in decode if (r["batch"], r["context"]) == (batch, context)]
         measured = next((r for r in rows if r.get("experts_distinct") is not None), None)
-        reads = reads_in_place(cfg.raw, E, k, batch)
+        reads = reads_in_place(cfg.raw, batch)
         b = step_bytes(m, tensors, cfg.state, batch, context, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
                        **reads, distinct_experts=None if measured is None else measured["experts_distinct"])
         t: dict[str, Any] = {"batch": batch, "context": context,

@@ -11,8 +11,8 @@ runtime-only install), in two accounts:
   - routed experts: `moe_experts_routed` gathers one expert's weights per (token, slot) pair when
     B*k <= E, else per block of GROUP_BLOCK rows (a static count, `expert_blocks`); each gathered copy
     is read from the stack, written, and read again by the GEMM (3x its bytes), unless the export
-    reads experts in place (config.json's kernels: `mxfp4_linear_gathered` = kernel, or kernel_gemm for
-    blocks of more than one row: 1x; `experts_read_in_place`);
+    reads experts in place (config.json's kernels: `mxfp4_linear_gathered` = kernel or kernel_gemm: 1x;
+    `experts_read_in_place`);
   - everything else as stored; embedding and tid2eid rows: one per token.
 * ``release``: what the release checkpoint's format needs (contract/release.py): FP8 linears 1 byte
   + an E8M0 byte per 128x128 block, MXFP4 experts 0.5 byte + an E8M0 byte per 32, bf16 2, fp32 4; the
@@ -46,9 +46,6 @@ DATASHEET_TBPS = {"H200": 4.8, "MI300X": 5.3}
 # rows per gathered expert block of a decode step: model/kernels/moe.py GROUP_BLOCK (tests/test_bench.py
 # checks the two agree, and `expert_blocks` against the model's `grouped_blocks`)
 GROUP_BLOCK = 16
-# decode pairs past which `moe_experts=routed_blocks` (a GPU-only export) takes the blocks: model/kernels/moe.py
-# ONE_ROW_PAIRS_MAX (tests/test_bench.py checks the two agree)
-ONE_ROW_PAIRS_MAX = 24
 _FP8_BLOCK, _MXFP4_BLOCK = 128, 32
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "uint8": 1,
              "int8": 1, "int64": 8, "int32": 4}
@@ -112,13 +109,11 @@ def _release_expert_bytes(shape: Sequence[int], dtype: str, expert_dtype: str) -
     return 2 * out_f * in_f
 
 
-def experts_read_in_place(gathered_impl: str, n_experts: int, k: int, batch: int, moe_impl: str = "routed") -> bool:
-    """Whether a decode of `batch` rows reads its routed experts in place under the export's
-    `mxfp4_linear_gathered` and `moe_experts` implementations: "kernel" always; "kernel_gemm" when the
-    pairs are grouped into blocks (batch * k > n_experts, or > ONE_ROW_PAIRS_MAX under "routed_blocks"),
-    its one-row-a-pair GEMV copying the selected experts first."""
-    one_row_max = min(n_experts, ONE_ROW_PAIRS_MAX) if moe_impl == "routed_blocks" else n_experts
-    return gathered_impl == "kernel" or (gathered_impl == "kernel_gemm" and batch * k > one_row_max)
+def experts_read_in_place(gathered_impl: str) -> bool:
+    """Whether a decode reads its routed experts in place under the export's `mxfp4_linear_gathered`
+    implementation: "kernel" (one sequential reduction) and "kernel_gemm" (blocks of rows: the gather inside
+    the GEMM's dispatch; one row a block: inside the GEMV's) at every batch size; "reference" copies them."""
+    return gathered_impl in ("kernel", "kernel_gemm")
 
 
 def fp8_read_in_place(kernels: Mapping[str, str], batch: int) -> bool:
@@ -128,13 +123,12 @@ def fp8_read_in_place(kernels: Mapping[str, str], batch: int) -> bool:
     return batch == 1 and all(kernels.get(op) == "kernel_fp8_gemv" for op in ("fp8_block_linear", "fp8_block_linear_shared"))
 
 
-def reads_in_place(raw_config: Mapping[str, Any], n_experts: int, k: int, batch: int) -> dict[str, bool]:
+def reads_in_place(raw_config: Mapping[str, Any], batch: int) -> dict[str, bool]:
     """step_bytes' `experts_in_place` and `fp8_in_place` for a decode of `batch` rows of an export (its
     config.json as a dict): what every target's kernel choices read in place (a mixed-target export whose
     targets differ gets the copies' account)."""
     kernels = [t.get("kernels", {}) for t in raw_config.get("targets", {}).values()] or [{}]
-    return {"experts_in_place": all(experts_read_in_place(kv.get("mxfp4_linear_gathered", "reference"), n_experts, k, batch,
-                                                          kv.get("moe_experts", "routed")) for kv in kernels),
+    return {"experts_in_place": all(experts_read_in_place(kv.get("mxfp4_linear_gathered", "reference")) for kv in kernels),
             "fp8_in_place": all(fp8_read_in_place(kv, batch) for kv in kernels)}
 
 
@@ -213,10 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = a.context or cfg.max_seq_len
     print(f"{'batch':>5} {'experts':>7} {'gathered':>8} {'impl MB':>10} {'impl MB/layer':>13} {'release MB':>10} "
           f"{'rel MB/layer':>12}")
-    E, k = cfg.model.get("n_routed_experts", 1), cfg.model.get("num_experts_per_tok", 1)
     for b in a.batch or cfg.decode_batch_sizes:
         r = step_bytes(cfg.model, tensors, cfg.state, b, ctx, cfg.max_seq_len, cfg.raw.get("activation_dtype", ""),
-                       **reads_in_place(cfg.raw, E, k, b))
+                       **reads_in_place(cfg.raw, b))
         i, x = r["implementation"], r["release"]
         print(f"{b:>5} {r['experts_distinct']:>7.1f} {r['experts_gathered']:>8} {i['total'] / 1e6:>10.2f} "
               f"{i['per_layer'] / 1e6:>13.2f} {x['total'] / 1e6:>10.2f} {x['per_layer'] / 1e6:>12.2f}")

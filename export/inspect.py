@@ -161,7 +161,9 @@ class LinalgOp:
     shapes: tuple[tuple[int, ...], ...]  # the inputs', then the outputs' ((): a scalar)
     n_inputs: int
     body: tuple[str, ...]  # op names in the body, e.g. ("arith.extf", "arith.mulf", "arith.addf")
-    extracts: tuple[str, ...] = ()  # the tensors its body reads with tensor.extract (SSA names)
+    # the tensors its body reads with tensor.extract (SSA names), each with the loops its indices follow as
+    # (loop, divisor) pairs (a divisor: the index is the loop's value divided by a constant), None if unknown
+    extracts: tuple[tuple[str, tuple[tuple[int, int], ...] | None], ...] = ()
 
     def ranges(self) -> list[int]:
         """The loop ranges. A loop that no operand indexes directly (only through an expression) is an
@@ -197,6 +199,14 @@ class LinalgOp:
     @property
     def points(self) -> int:
         return math.prod(self.ranges())
+
+    def extracted_elements(self, loops: tuple[tuple[int, int], ...] | None) -> int:
+        """The distinct elements an extract can read: the product of its loops' ranges, each divided by its
+        divisor (every point when its indices are not understood)."""
+        if loops is None:
+            return self.points
+        ranges = self.ranges()
+        return min(self.points, math.prod(-(-ranges[k] // d) for k, d in loops))
 
     def flops(self) -> int:
         if self.is_contraction:
@@ -371,6 +381,7 @@ class SourcesIR:
         guessed = gather = False
         other: set[str] = set()
         lines = self.funcs.get(name, [])
+        consts = {m.group(1): int(m.group(2)) for line in lines if (m := _INDEX_CONST.match(line))}
         i = 0
         while i < len(lines):
             line = lines[i]
@@ -383,7 +394,7 @@ class SourcesIR:
                     body.append(lines[i])
                     i += 1
                 res = _ASSIGN.match(line)
-                op, op_guessed = self._generic(g, body, shapes, rows)
+                op, op_guessed = self._generic(g, body, shapes, rows, consts)
                 guessed |= op_guessed
                 if res is not None:
                     _, _, outs = g.group(2), g.group(3), g.group(4)
@@ -393,10 +404,10 @@ class SourcesIR:
                             shapes[f"{res.group(1)}#{k}" if res.group(2) else res.group(1)] = shapes[o]
                 f = op.flops()
                 flops += f
-                for t in op.extracts:
+                for t, loops in op.extracts:
                     if t in loads:
                         gather = True
-                        extracted[t] += op.points * elem_bytes(shapes[t][1])  # one element per point
+                        extracted[t] += op.extracted_elements(loops) * elem_bytes(shapes[t][1])
                 ins_names, _ = _operands(g.group(3))
                 out_names, _ = _operands(g.group(4))
                 for n in (*ins_names, *out_names):
@@ -472,7 +483,7 @@ class SourcesIR:
                             gather=gather, guessed=guessed, other_ops=tuple(sorted(other)))
 
     def _generic(self, g: re.Match, body: list[str], shapes: Mapping[str, tuple[tuple[int, ...], str]],
-                 rows: int) -> tuple[LinalgOp, bool]:
+                 rows: int, consts: Mapping[str, int]) -> tuple[LinalgOp, bool]:
         attrs = g.group(2)
         m = re.search(r"indexing_maps = \[(.*?)\]\s*,\s*iterator_types", attrs)
         if m is None:
@@ -498,8 +509,76 @@ class SourcesIR:
                 guessed |= gu and "?" in t
                 op_shapes.append(shp)
         body_ops = tuple(b.group(3) for b in map(_ASSIGN.match, body) if b)
-        extracts = tuple(m.group(1) for b in body for m in [re.search(r"tensor\.extract (%[\w$.-]+)\[", b)] if m)
+        extracts = _extract_loops(body, consts)
         return LinalgOp(tuple(maps), iterators, tuple(op_shapes), len(ins), body_ops, extracts), guessed
+
+
+_INDEX_CONST = re.compile(r"^\s*(%[\w$.-]+)\s*=\s*arith\.constant (\d+) : (?:index|i32|i64)\s*$")
+_EXTRACT = re.compile(r"tensor\.extract (%[\w$.-]+)\[([^\]]*)\]")
+# index arithmetic whose result follows the loops of its operands
+_INDEX_OPS = {"arith.index_cast", "arith.index_castui", "arith.extui", "arith.extsi", "arith.trunci", "arith.fptosi",
+              "arith.fptoui", "arith.addi", "arith.subi", "arith.muli", "arith.remui", "arith.remsi", "arith.andi",
+              "arith.ori", "arith.shli", "arith.minui", "arith.maxui", "arith.minsi", "arith.maxsi", "arith.select",
+              "arith.cmpi"}
+
+
+def _extract_loops(body: Sequence[str], consts: Mapping[str, int]) -> tuple[tuple[str, tuple[tuple[int, int], ...] | None], ...]:
+    """Each `tensor.extract` of a generic's body with the loops its indices follow: a loop through
+    `linalg.index`, divided by a constant through `arith.divui` / `arith.shrui` (k / 2: half the loop's
+    values), a data-dependent index (an extract of its own) by the loops of that extract's indices.
+    None for an index computed any other way."""
+    defs: dict[str, tuple[str, str]] = {}
+    for line in body:
+        a = _ASSIGN.match(line)
+        if a is not None:
+            defs[a.group(1)] = (a.group(3), a.group(4))
+
+    def loops(v: str, depth: int = 0) -> dict[int, int] | None:
+        if v in consts:
+            return {}
+        if v not in defs or depth > 32:
+            return None
+        op, rest = defs[v]
+        if op == "arith.constant":
+            return {}
+        if op == "linalg.index":
+            return {int(rest.split()[0]): 1}
+        if op == "tensor.extract":
+            m = _EXTRACT.search("tensor.extract " + rest)
+            operands = _SSA.findall(m.group(2)) if m else None
+        else:
+            operands = _SSA.findall(rest.split(" : ")[0])
+        if op in ("arith.divui", "arith.shrui") and len(operands) == 2 and operands[1] in consts:
+            inner = loops(operands[0], depth + 1)
+            c = consts[operands[1]]
+            div = c if op == "arith.divui" else 1 << c
+            return None if inner is None else {k: d * div for k, d in inner.items()}
+        if op not in _INDEX_OPS and op != "tensor.extract" or operands is None:
+            return None
+        out: dict[int, int] = {}
+        for o in operands:
+            sub = loops(o, depth + 1)
+            if sub is None:
+                return None
+            for k, d in sub.items():
+                out[k] = min(out.get(k, d), d)
+        return out
+
+    found = []
+    for line in body:
+        m = _EXTRACT.search(line)
+        if m is None:
+            continue
+        per = [loops(v) for v in _SSA.findall(m.group(2))]
+        merged: dict[int, int] | None = {}
+        for sub in per:
+            if sub is None or merged is None:
+                merged = None
+                break
+            for k, d in sub.items():
+                merged[k] = min(merged.get(k, d), d)
+        found.append((m.group(1), None if merged is None else tuple(sorted(merged.items()))))
+    return tuple(found)
 
 
 def parse_sources(text: str, rows: int) -> SourcesIR:

@@ -334,3 +334,32 @@ def test_tiny_export_dispatch_counts_and_a_matmuls_flops(tiny_fp32_export: Path,
     (bare / "model.mlir").unlink()
     with pytest.raises(ValueError, match="has no model.mlir.*--keep-mlir"):
         I.inspect_export(bare, "gfx942")
+
+
+def test_a_gather_counts_the_elements_its_indices_can_reach() -> None:
+    """The one-row expert GEMV's decode (quant.mlir.jinja): byte k / 2 and scale k / 32 of expert sel[g], over
+    (g, n, k) = 6 x 2048 x 4096 points. Each packed byte is read for two points and each scale for 32, so the
+    distinct elements are 6 x 2048 x 2048 and 6 x 2048 x 128, not one a point; an index computed another way
+    (a float's bits) keeps one a point."""
+    body = """\
+            %20 = linalg.index 0 : index
+            %21 = linalg.index 1 : index
+            %22 = linalg.index 2 : index
+            %extracted = tensor.extract %7[%20] : tensor<6xf32>
+            %23 = arith.fptosi %extracted : f32 to i64
+            %24 = arith.index_cast %23 : i64 to index
+            %25 = arith.divui %22, %c2 : index
+            %26 = arith.divui %22, %c32 : index
+            %extracted_4 = tensor.extract %8[%24, %21, %25] : tensor<256x2048x2048xi8>
+            %extracted_5 = tensor.extract %9[%24, %21, %26] : tensor<256x2048x128xi8>
+            %27 = arith.bitcast %extracted_5 : i8 to f8E8M0FNU
+            %28 = arith.extf %27 : f8E8M0FNU to f32
+            %29 = arith.fptoui %28 : f32 to i64
+            %30 = arith.index_cast %29 : i64 to index
+            %extracted_6 = tensor.extract %10[%30] : tensor<4096xf32>""".splitlines()
+    found = dict(I._extract_loops(body, {"%c2": 2, "%c32": 32}))
+    assert found == {"%7": ((0, 1),), "%8": ((0, 1), (1, 1), (2, 2)), "%9": ((0, 1), (1, 1), (2, 32)), "%10": None}
+    op = I.LinalgOp(maps=(I.AffineMap.parse("(d0, d1, d2) -> (d0, d1, d2)"),), iterators=("parallel",) * 3,
+                    shapes=((6, 2048, 4096),), n_inputs=0, body=())
+    assert [op.extracted_elements(found[t]) for t in ("%7", "%8", "%9", "%10")] == \
+        [6, 6 * 2048 * 2048, 6 * 2048 * 128, 6 * 2048 * 4096]

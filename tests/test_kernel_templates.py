@@ -149,6 +149,44 @@ def build(cases: dict, kernel_compile, tmp_path, tag: str):
         mod(k, *[t.numpy() for t in inputs]))] for k, (_, _, inputs, _) in cases.items()}
 
 
+def test_divide_macro_is_division_bitwise(kernel_compile, tmp_path) -> None:
+    """rows.mlir.jinja's reciprocal + divide (hc_sinkhorn's divisions) equal f32 division bit for bit: quotients
+    of every magnitude from 2^-62 to 2^62, divisors with all-ones and all-zeros significands, Sinkhorn-like
+    sums of four values in [0, 1] plus eps."""
+    from pathlib import Path
+
+    from dsv4.export.kernel_op import _render_jinja
+    from dsv4.model import kernels
+
+    n = 1 << 20
+    macros = (Path(kernels.__file__).parent / "rows.mlir.jinja").read_text()
+    body = """{{ reciprocal("%r", "%b") }}{{ divide("%q", "%a", "%r") }}"""
+    fn = f"""
+func.func @main(%x: tensor<{n}xf32>, %d: tensor<{n}xf32>) -> tensor<{n}xf32> {{
+  %one = arith.constant 1.0 : f32
+  %e = tensor.empty() : tensor<{n}xf32>
+  %y = linalg.generic {{indexing_maps = [affine_map<(i) -> (i)>, affine_map<(i) -> (i)>, affine_map<(i) -> (i)>],
+      iterator_types = ["parallel"]}} ins(%x, %d : tensor<{n}xf32>, tensor<{n}xf32>) outs(%e : tensor<{n}xf32>) {{
+    ^bb0(%a: f32, %b: f32, %o: f32):{body}
+      linalg.yield %q : f32
+  }} -> tensor<{n}xf32>
+  return %y : tensor<{n}xf32>
+}}"""
+    mod = IreeModule(kernel_compile(_render_jinja(macros + fn, {}), "divide-macro"))
+    q = n // 4
+    bits = lambda lo, hi: RNG.integers(lo, hi, q, dtype=np.uint32).view(np.float32)  # noqa: E731
+    ones = np.float32(1) + RNG.integers(-64, 64, q).astype(np.float32) * np.float32(2**-24)  # 1 +- a few ulps
+    x = np.concatenate([bits(0x30000000, 0x4F000000), RNG.random(q, dtype=np.float32),
+                        RNG.random(q, dtype=np.float32), RNG.random(q, dtype=np.float32) + np.float32(1e-6)])
+    d = np.concatenate([bits(0x30000000, 0x4F000000), ones * np.ldexp(np.float32(1), RNG.integers(-3, 4, q)).astype(np.float32),
+                        np.float32(0.999999940) - RNG.integers(0, 8, q).astype(np.float32) * np.float32(2**-24),
+                        RNG.random((q, 4), dtype=np.float32).sum(-1, dtype=np.float32) + np.float32(1e-6)])
+    got = np.asarray(mod("main", x, d))
+    want = x / d  # numpy's float32 division: IEEE, correctly rounded
+    bad = got.view(np.uint32) != want.view(np.uint32)
+    assert not bad.any(), f"{int(bad.sum())} of {n} quotients differ, e.g. {x[bad][:3]} / {d[bad][:3]}"
+
+
 def test_quant_template_qdq_and_hadamard(kernel_compile, tmp_path) -> None:
     x = torch.from_numpy((RNG.standard_normal((1, 2, 3, 128)) * np.logspace(-5, 2, 128)).astype(np.float32))
     x[0, 0, 0, :64] = 0.0  # an all-zero block: the amax floor
@@ -257,6 +295,8 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
         # the up projection with the routed SwiGLU as its epilogue (both clamps bind at 1.5)
         swiglu = lambda x, gt, rw, sel, p, s: mxfp4_swiglu_gathered(x, gt, rw, p, s, sel, 1.5, 0)  # noqa: E731
         cases["swiglu"] = (swiglu, ws, [xg, gate, rw, sel], {"mxfp4_swiglu_gathered": "kernel"})
+        # one row a block: the decode's GEMV reads the experts in place
+        cases["swiglu1"] = (swiglu, ws, [xg[:, :1], gate[:, :1], rw[:, :1], sel], {"mxfp4_swiglu_gathered": "kernel"})
     out = build(cases, kernel_compile, tmp_path, f"quant-mxfp4-{form}")
 
     def check(got, xin, w, what):
@@ -275,15 +315,18 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
             check(out["gathered_gemm"][0][g], xg[g], w, f"mxfp4_linear_gathered[kernel_gemm][{g}]")
             assert out["gathered_gemm1"][0][g].shape == (1, 64)
             check(out["gathered_gemm1"][0][g], xg[g, :1], w, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
-            # float64 SwiGLU of the float64 product: u's fp32 sum error times |silu(g) w|, plus the epilogue's roundings
-            xq = block_qdq(xg[g].double().numpy(), 128, fp4=False)
-            u, gt, lim = xq @ w.T, gate[g].double().numpy(), 1.5
-            sg = np.minimum(gt, lim)
-            silu_w = sg / (1 + np.exp(-sg)) * rw[g].double().numpy()[:, None]
-            want = silu_w * np.clip(u, -lim, lim)
-            err = np.abs(out["swiglu"][0][g].astype(np.float64) - want)
-            assert (err <= 4e-5 * np.abs(silu_w) * (np.abs(xq) @ np.abs(w).T) + 2e-6 * np.abs(want) + 1e-30).all(), \
-                f"mxfp4_swiglu_gathered[{g}]: worst {float(err.max()):.3g}"
+            for name, rows in (("swiglu", 2), ("swiglu1", 1)):
+                # float64 SwiGLU of the float64 product: u's fp32 sum error times |silu(g) w|, plus the epilogue's roundings
+                xq = block_qdq(xg[g, :rows].double().numpy(), 128, fp4=False)
+                u, gt, lim = xq @ w.T, gate[g, :rows].double().numpy(), 1.5
+                sg = np.minimum(gt, lim)
+                silu_w = sg / (1 + np.exp(-sg)) * rw[g, :rows].double().numpy()[:, None]
+                want = silu_w * np.clip(u, -lim, lim)
+                got = out[name][0][g]
+                assert got.shape == (rows, 64)
+                err = np.abs(got.astype(np.float64) - want)
+                assert (err <= 4e-5 * np.abs(silu_w) * (np.abs(xq) @ np.abs(w).T) + 2e-6 * np.abs(want) + 1e-30).all(), \
+                    f"mxfp4_swiglu_gathered[{g}], {rows} rows: worst {float(err.max()):.3g}"
 
 
 def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
@@ -295,6 +338,8 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     q = torch.from_numpy(RNG.standard_normal((1, 3, 4, 32)).astype(np.float32))
     iw = torch.from_numpy(RNG.standard_normal((1, 3, 4)).astype(np.float32))
     keys = torch.from_numpy(RNG.standard_normal((1, 16, 32)).astype(np.float32))
+    xk = torch.from_numpy(RNG.standard_normal((3, 8192)).astype(np.float32))
+    wk = torch.from_numpy(RNG.standard_normal((24, 8192)).astype(np.float32))
     out = build({
         "dense": (f32_linear, (w,), [x], {"f32_linear": "kernel"}),
         "dense16": (f32_linear, (w,), [x], {"f32_linear": "kernel_rows16"}),
@@ -308,6 +353,9 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
         # a bf16 activation and an f32 weight: the three-bf16-term split, its 3 x 24 = 72 rows padded to 80
         "split": (lambda x, w: f32_linear(x.bfloat16(), w), (ws,), [x], {"f32_linear": "kernel"}),
         "grouped": (grouped_linear, (wg,), [xg], {"grouped_linear": "kernel"}),
+        # K = 8192 (the mHC mixes' 16384): the split GEMM in 8 chunks of 1024, summed in order; 3 rows and one
+        "split_k": (lambda x, w: f32_linear(x.bfloat16(), w), (wk,), [xk], {"f32_linear": "kernel"}),
+        "split_k1": (lambda x, w: f32_linear(x.bfloat16(), w), (wk,), [xk[:1]], {"f32_linear": "kernel"}),
         "indexer": (indexer_scores, (), [q, iw, keys], {"indexer_scores": "kernel"}),
     }, kernel_compile, tmp_path, "dense-grouped-indexer")
     xd, wd = x.double().numpy(), w.double().numpy()
@@ -319,6 +367,10 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     assert out["dense1"][0].shape == (1, 32) and out["split1"][0].shape == (1, 24)
     assert_sum_close(out["dense1"][0], xd[:1] @ wd.T, np.abs(xd[:1]) @ np.abs(wd).T, "dense1")
     assert_sum_close(out["split1"][0], xb[:1] @ wsd.T, np.abs(xb[:1]) @ np.abs(wsd).T, "split1")
+    xkb, wkd = xk.bfloat16().double().numpy(), wk.double().numpy()
+    for k, n in (("split_k", 3), ("split_k1", 1)):
+        assert out[k][0].shape == (n, 24)
+        assert_sum_close(out[k][0], xkb[:n] @ wkd.T, np.abs(xkb[:n]) @ np.abs(wkd).T, k)
     xgd, wgd = xg.double().numpy(), wg.double().numpy()
     want = np.einsum("tgk,gnk->tgn", xgd, wgd)
     mag = np.einsum("tgk,gnk->tgn", np.abs(xgd), np.abs(wgd))
