@@ -4,7 +4,7 @@ runtime-only install), in two accounts:
 * ``implementation``: what the current lowering reads (export/lowering.py, model/kernels):
   - dense FP8 weights: the decode entry points use a bf16 copy decoded once at load (the compiler
     hoists it, export/compile.py HOIST_FLAG): 2 bytes a weight, the block scales not read; a one-row
-    decode whose FP8 linears take `kernel_fp8_gemv` (a GPU export's default) reads the FP8 bytes and
+    decode whose FP8 linears take `kernel_fp8_gemv` (a variant: `--kernel`) reads the FP8 bytes and
     scales instead (`fp8_read_in_place`);
   - fp32 weights of `f32_linear` (compressor wkv/wgate, the router gate, the mHC mixes) beside a bf16
     activation: three bf16 terms (model/kernels/dense.mlir.jinja): 6 bytes a weight;

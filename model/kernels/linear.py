@@ -74,7 +74,7 @@ _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
 # take the matrix cores, one row is a GEMV. llvm-cpu keeps the unpadded form: padded, its decode_bs4 no
 # longer agreed bit for bit with decode_bs1 (tests/test_batch_invariance.py, the embedded default)
 SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
-# "kernel_fp8_gemv" (the FP8 linears; a GPU-only export's default): kernel_small_rows, and a one-row GEMV (decode
+# "kernel_fp8_gemv" (the FP8 linears, by `--kernel`; slower than the default at batch 1 on the H100): kernel_small_rows, and a one-row GEMV (decode
 # at batch 1) decodes the FP8 weight inside its own dispatch, reading 1 byte a weight plus the block scales, where
 # the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Same values and products
 FP8_GEMV = {"kernel_fp8_gemv": {**SMALL_ROWS["kernel_small_rows"], "fp8_gemv": True}}

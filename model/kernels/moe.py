@@ -99,11 +99,10 @@ GROUP_BLOCK = 16
 # tokens: 448 blocks of 64 rows against 1,024 of 16).
 PREFILL_GROUP_BLOCK = 64
 # The most (token, slot) pairs the one-row-a-pair path takes in `moe_experts_routed_blocks` (a GPU-only
-# export's routed MoE); more go through the 16-row blocks. The one-row path copies its experts before
-# their GEMVs, the blocks read them in place inside the GEMM's dispatch: on the H100 (Flash w1 alone,
-# docs/kernels.md) 6 experts took 0.14 ms copied against 0.27 ms as 16-row blocks, 48 took 0.85 ms
-# copied against 0.62 ms. 24 (batch 4 at top-6) keeps batches 1-4 on the copies; between 6 and 48 the
-# crossover is not measured.
+# export's routed MoE); more go through the 16-row blocks. Both read the experts in place on the GPU; on
+# the H100 (Flash w1 alone, docs/kernels.md) 6 experts took 0.14-0.15 ms as one-row GEMVs against
+# 0.25-0.27 ms as 16-row blocks, 48 took 0.78-0.85 ms as GEMVs (copied) against 0.55-0.62 ms as blocks.
+# 24 (batch 4 at top-6) keeps batches 1-4 on the GEMVs; between 6 and 48 the crossover is not measured.
 ONE_ROW_PAIRS_MAX = 24
 
 
