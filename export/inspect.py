@@ -534,6 +534,17 @@ def _extract_loops(body: Sequence[str], consts: Mapping[str, int]) -> tuple[tupl
         if a is not None:
             defs[a.group(1)] = (a.group(3), a.group(4))
 
+    def merged(values: Sequence[str], depth: int) -> dict[int, int] | None:
+        """The loops of several indices together (a loop divided in one and not in another: undivided)."""
+        out: dict[int, int] = {}
+        for v in values:
+            sub = loops(v, depth)
+            if sub is None:
+                return None
+            for k, d in sub.items():
+                out[k] = min(out.get(k, d), d)
+        return out
+
     def loops(v: str, depth: int = 0) -> dict[int, int] | None:
         if v in consts:
             return {}
@@ -556,29 +567,14 @@ def _extract_loops(body: Sequence[str], consts: Mapping[str, int]) -> tuple[tupl
             return None if inner is None else {k: d * div for k, d in inner.items()}
         if op not in _INDEX_OPS and op != "tensor.extract" or operands is None:
             return None
-        out: dict[int, int] = {}
-        for o in operands:
-            sub = loops(o, depth + 1)
-            if sub is None:
-                return None
-            for k, d in sub.items():
-                out[k] = min(out.get(k, d), d)
-        return out
+        return merged(operands, depth + 1)
 
     found = []
     for line in body:
         m = _EXTRACT.search(line)
-        if m is None:
-            continue
-        per = [loops(v) for v in _SSA.findall(m.group(2))]
-        merged: dict[int, int] | None = {}
-        for sub in per:
-            if sub is None or merged is None:
-                merged = None
-                break
-            for k, d in sub.items():
-                merged[k] = min(merged.get(k, d), d)
-        found.append((m.group(1), None if merged is None else tuple(sorted(merged.items()))))
+        if m is not None:
+            idx = merged(_SSA.findall(m.group(2)), 0)
+            found.append((m.group(1), None if idx is None else tuple(sorted(idx.items()))))
     return tuple(found)
 
 
