@@ -16,6 +16,8 @@ Every one runs as ``python -m dsv4.bench.NAME --help``:
   probe module, judged against the eager model's own bf16-vs-float32 noise.
 - ``multidevice_parity``: an N-device export against the one-device export of the same weights
   (torch-free).
+- ``tile_sweep``: the routed experts' gathered MXFP4 GEMM under IREE's tile choice, the tuning library
+  (export/tuning) and candidate tiles: ``build`` compiles here, ``run`` times on the GPU host.
 - ``device_sampling``: decode ms/step of sampled requests, sampling on the device (sample_bs{N})
   against sampling on the host.
 - ``speculative_speed``: MTP speculation against plain greedy through the Engine at batch 1 and 8:

@@ -91,6 +91,13 @@ PARTITIONING_FLAG = "--iree-stream-partitioning-favor=debug"
 # gone) made the H100 abort Flash-4's prefill_bs8 (`hal.device.queue.dealloca` ABORTED; docs/performance.md).
 FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true",
                 "--iree-dispatch-creation-fuse-multi-use=true")
+# GPU targets with measured tile choices: a transform-dialect library (export/tuning/<target>.mlir) whose
+# `__kernel_config` sets the compilation_info of the kernels it matches before IREE picks its own. IREE
+# 3.13's --iree-codegen-tuning-spec-path reaches the ROCm pipeline only (on cuda the pass runs with an
+# empty path); this flag reaches every GPU pipeline. The cuda library's configs need mma.sync on bf16
+# (sm_80 and later), hence `tuned_archs`. docs/kernels.md, Tuned tiles on cuda.
+TUNING_FLAG = "--iree-codegen-transform-dialect-library"
+TUNING_LIBRARIES = {"cuda": str(Path(__file__).parent / "tuning" / "cuda.mlir")}
 
 
 @dataclass(frozen=True)
@@ -103,10 +110,12 @@ class Target:
     arch_flag: str  # the flag `name:arch` overrides
     arch: str
     description: str = ""
+    tuned_archs: tuple[str, ...] = ()  # archs that take the target's tuning library (TUNING_LIBRARIES)
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return (*self.base_flags, f"{self.arch_flag}={self.arch}")
+        tuning = (f"{TUNING_FLAG}={TUNING_LIBRARIES[self.name]}",) if self.arch in self.tuned_archs else ()
+        return (*self.base_flags, *tuning, f"{self.arch_flag}={self.arch}")
 
     @property
     def label(self) -> str:
@@ -160,6 +169,7 @@ TARGETS: dict[str, Target] = {
         arch_flag="--iree-cuda-target",
         arch="sm_89",
         description="NVIDIA PTX; sm_90/sm_100 unsupported by compiler 3.13, sm_89 JITs on Hopper",
+        tuned_archs=("sm_80", "sm_86", "sm_87", "sm_89", "sm_120", "a100", "ampere", "ada", "rtx4090"),
     ),
 }
 

@@ -454,3 +454,34 @@ def test_serve_load_bad_arguments_and_no_server(capsys, argv: list[str], match: 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("dsv4 bench serve: error: ") and match in err, err
+
+
+def test_tile_sweep_candidates_replace_one_matchers_config() -> None:
+    """A tile_sweep candidate is the tuning library with one matcher's config replaced: the other
+    matchers, and everything but the four tile fields, stay as the export compiles them."""
+    import re
+
+    from dsv4.bench.tile_sweep import _library_variant
+    from dsv4.export.compile import TUNING_LIBRARIES
+
+    library = Path(TUNING_LIBRARIES["cuda"]).read_text()
+    variant = _library_variant(library, 16, (256, 8, 2, 128))
+
+    def matcher(text: str, rows: int) -> str:
+        start = text.index(f"@match_gathered_mxfp4_rows{rows}(")
+        return text[start:text.index("transform.yield", start)]
+
+    rows16 = matcher(variant, 16)
+    assert "workgroup = [1, 16, 256, 0, 0]" in rows16 and "subgroup = [0, 1, 8, 0, 0]" in rows16
+    assert "reduction = [0, 0, 0, 2, 2]" in rows16 and "workgroup_size = [128, 1, 1]" in rows16
+    assert matcher(variant, 64) == matcher(library, 64)
+    tiles = r"(workgroup|subgroup|reduction|workgroup_size) = \[[^\]]*\]"
+    assert re.sub(tiles, "", variant) == re.sub(tiles, "", library)
+
+
+def test_tile_sweep_refuses_a_target_without_a_library(tmp_path: Path) -> None:
+    from dsv4.bench.tile_sweep import build
+
+    for target in ("gfx942", "cuda:sm_75"):
+        with pytest.raises(SystemExit, match="no tuning library"):
+            build(tmp_path, target)

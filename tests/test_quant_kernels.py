@@ -448,3 +448,32 @@ def test_dispatch_validates_before_the_kernel():
             stacked_linear(torch.zeros(3, 3, 256), packed, torch.zeros(2, 64, 8, dtype=torch.uint8))
         with pytest.raises(ValueError, match="not a multiple of the block 64"):
             quant_sim.fp8_qdq(torch.zeros(2, 96), 64)
+
+
+@pytest.mark.slow  # compiles for cuda
+def test_cuda_tuning_library_tiles_the_gathered_expert_gemms(tmp_path):
+    """export/tuning/cuda.mlir (in every sm_80+ cuda compile's flags) reaches the gathered MXFP4 GEMMs of
+    `kernel_gemm`: a decode's 16-row blocks and a prefill's 64-row blocks get the library's workgroup tile,
+    not IREE's own choice (32 columns: its cuda heuristic). A template change that the library's matchers no
+    longer recognise fails here instead of silently losing the measured tiles (docs/kernels.md)."""
+    from dsv4.export.compile import TUNING_FLAG, TUNING_LIBRARIES, resolve_target
+
+    cuda = resolve_target("cuda")
+    assert f"{TUNING_FLAG}={TUNING_LIBRARIES['cuda']}" in cuda.flags
+    assert not [f for f in resolve_target("cuda:sm_75").flags if f.startswith(TUNING_FLAG)]  # no bf16 mma.sync
+    assert not [f for t in ("gfx942", "llvm-cpu") for f in resolve_target(t).flags if f.startswith(TUNING_FLAG)]
+    library = open(TUNING_LIBRARIES["cuda"]).read()
+    E, N, K = 4, 256, 512
+    packed = torch.randint(0, 256, (E, N, K // 2), generator=G, dtype=torch.uint8)
+    scales = torch.full((E, N, K // 32), 127, dtype=torch.uint8)
+    sel = torch.tensor([2, 0, 3])
+    mods = {f"rows{m}": (_Fn(lambda x, p, s: mxfp4_linear_gathered(x, p, s, sel), packed, scales),
+                         torch.randn(3, m, K, generator=G).to(torch.bfloat16)) for m in (16, 64)}
+    mlir = _export(mods, tmp_path / "gathered.mlir", "kernel_gemm", static=tuple(mods))
+    dump = tmp_path / "configs"
+    compile_mlir(mlir, cuda, tmp_path / "gathered.vmfb", extra_flags=[f"--iree-hal-dump-executable-configurations-to={dump}"])
+    tiles = {re.search(r"workgroup = \[([^\]]*)\]", f.read_text()).group(1)
+             for f in dump.iterdir() if "NV_MMA_SYNC" in f.read_text()}
+    for m in (16, 64):
+        tile = re.search(rf"@match_gathered_mxfp4_rows{m}\(.*?workgroup = \[([^\]]*)\]", library, re.S).group(1)
+        assert tile.startswith(f"1, {m}, ") and tile in tiles, f"{m}-row blocks: library tile {tile}, compiled {tiles}"
