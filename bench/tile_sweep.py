@@ -40,8 +40,16 @@ def _sel(rows: int) -> np.ndarray:
 
 
 def _library_variant(text: str, rows: int, cand: tuple[int, int, int, int]) -> str:
-    """The tuning library with the rows-per-block matcher's config replaced by `cand`."""
+    """The tuning library with the rows-per-block matcher's config replaced by `cand`; a row count the
+    library leaves to IREE gets a copy of the 64-row matcher for its own rows."""
     n, sn, kq, threads = cand
+    if f"@match_gathered_mxfp4_rows{rows}(" not in text:
+        start = text.index("  transform.named_sequence @match_gathered_mxfp4_rows64(")
+        end = text.index("\n  }\n", start) + 4
+        matcher = text[start:end].replace("rows64", f"rows{rows}").replace("x64x", f"x{rows}x")
+        text = text[:end] + "\n" + matcher + text[end:]
+        text = text.replace("@match_gathered_mxfp4_rows64 -> @apply_op_config",
+                            f"@match_gathered_mxfp4_rows64 -> @apply_op_config,\n        @match_gathered_mxfp4_rows{rows} -> @apply_op_config")
     start = text.index(f"@match_gathered_mxfp4_rows{rows}(")
     end = text.index("transform.yield", start)
     body = text[start:end]
@@ -100,9 +108,9 @@ def build(out: Path, target: str) -> None:
 
 
 def _benchmark_tool() -> str:
-    import iree.runtime
+    import iree._runtime_libs as libs
 
-    tool = Path(iree.runtime.__file__).parent / "_runtime_libs" / "iree-benchmark-module"
+    tool = Path(libs.__file__).parent / "iree-benchmark-module"
     if not tool.exists():
         raise SystemExit(f"iree-benchmark-module not found at {tool} (iree-base-runtime installs it)")
     return str(tool)

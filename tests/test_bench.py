@@ -457,26 +457,31 @@ def test_serve_load_bad_arguments_and_no_server(capsys, argv: list[str], match: 
 
 
 def test_tile_sweep_candidates_replace_one_matchers_config() -> None:
-    """A tile_sweep candidate is the tuning library with one matcher's config replaced: the other
-    matchers, and everything but the four tile fields, stay as the export compiles them."""
+    """A tile_sweep candidate is the tuning library with one matcher's config replaced (everything but
+    the four tile fields stays as the export compiles it); a row count the library leaves to IREE gets
+    a copy of the 64-row matcher for its rows, registered beside it."""
     import re
 
     from dsv4.bench.tile_sweep import _library_variant
     from dsv4.export.compile import TUNING_LIBRARIES
 
     library = Path(TUNING_LIBRARIES["cuda"]).read_text()
-    variant = _library_variant(library, 16, (256, 8, 2, 128))
 
     def matcher(text: str, rows: int) -> str:
         start = text.index(f"@match_gathered_mxfp4_rows{rows}(")
         return text[start:text.index("transform.yield", start)]
 
-    rows16 = matcher(variant, 16)
-    assert "workgroup = [1, 16, 256, 0, 0]" in rows16 and "subgroup = [0, 1, 8, 0, 0]" in rows16
-    assert "reduction = [0, 0, 0, 2, 2]" in rows16 and "workgroup_size = [128, 1, 1]" in rows16
-    assert matcher(variant, 64) == matcher(library, 64)
+    variant = _library_variant(library, 64, (256, 16, 2, 128))
+    rows64 = matcher(variant, 64)
+    assert "workgroup = [1, 64, 256, 0, 0]" in rows64 and "subgroup = [0, 2, 16, 0, 0]" in rows64
+    assert "reduction = [0, 0, 0, 2, 2]" in rows64 and "workgroup_size = [128, 1, 1]" in rows64
     tiles = r"(workgroup|subgroup|reduction|workgroup_size) = \[[^\]]*\]"
     assert re.sub(tiles, "", variant) == re.sub(tiles, "", library)
+    assert "@match_gathered_mxfp4_rows16(" not in library
+    variant = _library_variant(library, 16, (128, 4, 2, 128))
+    rows16 = matcher(variant, 16)
+    assert "tensor<?x16x?x32xbf16>" in rows16 and "x64x" not in rows16 and "workgroup = [1, 16, 128, 0, 0]" in rows16
+    assert "@match_gathered_mxfp4_rows16 -> @apply_op_config" in variant and matcher(variant, 64) == matcher(library, 64)
 
 
 def test_tile_sweep_refuses_a_target_without_a_library(tmp_path: Path) -> None:

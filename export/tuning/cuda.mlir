@@ -1,4 +1,5 @@
-// Tile choices for the cuda target, applied by iree-compile's --iree-codegen-tuning-spec-path (export/compile.py).
+// Tile choices for the cuda target: iree-compile loads this library with --iree-codegen-transform-dialect-library
+// (export/compile.py TUNING_FLAG) and runs its __kernel_config before choosing tiles itself.
 // Each matcher names one kernel form of model/kernels by its root op; shapes are matched up to `?`.
 // The timings that chose each config: docs/kernels.md, Tuned tiles on cuda.
 module @dsv4_cuda_tuning attributes {transform.with_named_sequence, iree_codegen.tuning_spec_with_default_entrypoint} {
@@ -8,34 +9,10 @@ module @dsv4_cuda_tuning attributes {transform.with_named_sequence, iree_codegen
     transform.yield
   }
 
-  // The gathered MXFP4 block GEMM (quant.mlir.jinja, kernel_gemm / mxfp4_swiglu_gathered) of a decode's
-  // 16-row blocks: rows [G, 16, K/32, 32] x decoded expert [G, N, K/32, 32] -> [G, 16, N] f32.
-  // IREE's choice, 32 columns a workgroup, reads the block's 16 x K activation once per 32 columns.
-  transform.named_sequence @match_gathered_mxfp4_rows16(%root: !transform.any_op {transform.readonly}) -> (!transform.any_op, !transform.any_param) {
-    transform.iree.match.has_no_lowering_config %root : !transform.any_op
-    %ins, %outs = transform.iree.match.cast_compatible_dag_from_root %root {
-    ^bb0(%x: tensor<?x16x?x32xbf16>, %w: tensor<?x?x?x32xbf16>, %acc: tensor<?x16x?xf32>):
-      %r = linalg.generic {indexing_maps = [affine_map<(g, m, n, q, j) -> (g, m, q, j)>, affine_map<(g, m, n, q, j) -> (g, n, q, j)>,
-                                            affine_map<(g, m, n, q, j) -> (g, m, n)>],
-                           iterator_types = ["parallel", "parallel", "parallel", "reduction", "reduction"]}
-          ins(%x, %w : tensor<?x16x?x32xbf16>, tensor<?x?x?x32xbf16>) outs(%acc : tensor<?x16x?xf32>) {
-      ^bb1(%a: bf16, %b: bf16, %c: f32):
-        %af = arith.extf %a : bf16 to f32
-        %bf = arith.extf %b : bf16 to f32
-        %p = arith.mulf %af, %bf : f32
-        %s = arith.addf %c, %p : f32
-        linalg.yield %s : f32
-      } -> tensor<?x16x?xf32>
-    } : (!transform.any_op) -> (!transform.any_value, !transform.any_value)
-    %config = transform.param.constant #iree_codegen.compilation_info<
-        lowering_config = #iree_gpu.lowering_config<{convert_acc_gemm, mma_kind = #iree_gpu.mma_layout<NV_MMA_SYNC_F32_16x8x16_BF16>,
-          promote_operands = [0, 1], reduction = [0, 0, 0, 4, 2], subgroup = [0, 1, 4, 0, 0], workgroup = [1, 16, 128, 0, 0]}>,
-        translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> workgroup_size = [128, 1, 1] subgroup_size = 32,
-          {gpu_pipeline_options = #iree_gpu.pipeline_options<prefetch_num_stages = 2, no_reduce_shared_memory_bank_conflicts = false, use_igemm_convolution = false>}>> -> !transform.any_param
-    transform.yield %root, %config : !transform.any_op, !transform.any_param
-  }
-
-  // The same GEMM over a prefill's 64-row blocks.
+  // The gathered MXFP4 block GEMM (quant.mlir.jinja, kernel_gemm / mxfp4_swiglu_gathered) of a prefill's
+  // 64-row blocks: rows [G, 64, K/32, 32] x decoded expert [G, N, K/32, 32] -> [G, 64, N] f32. IREE's
+  // choice, 32 columns a workgroup, reads the block's 64 x K activation (512 KB at K 4,096) once per 32
+  // columns. A decode's 16-row blocks keep IREE's choice: 128 columns did not change Flash-4's batch 64.
   transform.named_sequence @match_gathered_mxfp4_rows64(%root: !transform.any_op {transform.readonly}) -> (!transform.any_op, !transform.any_param) {
     transform.iree.match.has_no_lowering_config %root : !transform.any_op
     %ins, %outs = transform.iree.match.cast_compatible_dag_from_root %root {
@@ -63,7 +40,6 @@ module @dsv4_cuda_tuning attributes {transform.with_named_sequence, iree_codegen
   transform.named_sequence @__kernel_config(%variant: !transform.any_op {transform.consumed}) -> !transform.any_op
       attributes {iree_codegen.tuning_spec_entrypoint} {
     %res = transform.foreach_match in %variant
-        @match_gathered_mxfp4_rows16 -> @apply_op_config,
         @match_gathered_mxfp4_rows64 -> @apply_op_config
       : (!transform.any_op) -> !transform.any_op
     transform.yield %res : !transform.any_op
