@@ -8,8 +8,9 @@ tile choice, the project's tuning library (export/tuning/<target>.mlir) and cand
 without a compiler can time what this machine built. Each case is one GEMM at Flash's expert shapes
 (w1: N 2048, K 4096; w2: N 4096, K 2048) over a decode's blocks (batch 64: 264 blocks of 16 rows, 171
 distinct experts) or a 1,024-token prefill's (353 blocks of 64 rows, every expert), inputs splat. A
-candidate is the library with its matcher for that row count given another config, so the timed
-kernel is the export's own (same IR, same matcher); "iree" compiles without the library.
+candidate is the library with its matcher for that row count given another config (a row count the
+library leaves to IREE gets a copy of the 64-row matcher), so the timed kernel is the export's own
+(same IR, same matcher); "iree" compiles without the library.
 """
 
 from __future__ import annotations
