@@ -71,7 +71,7 @@ def build(out: Path, target: str) -> None:
     from dsv4.model.kernels.linear import mxfp4_linear_gathered
 
     tgt = resolve_target(target)
-    if tgt.name not in TUNING_LIBRARIES or not any(f.startswith(TUNING_FLAG) for f in tgt.flags):
+    if not any(f.startswith(TUNING_FLAG) for f in tgt.flags):
         raise SystemExit(f"target {target!r} has no tuning library (export/compile.py TUNING_LIBRARIES: "
                          f"{', '.join(TUNING_LIBRARIES)} at archs {', '.join(tgt.tuned_archs) or 'none'})")
     library = Path(TUNING_LIBRARIES[tgt.name]).read_text()
@@ -93,8 +93,7 @@ def build(out: Path, target: str) -> None:
             mlir = out / f"{shape}_r{rows}.mlir"
             exported.save_mlir(str(mlir))
             inputs = [f"{G}x{rows}x{K}xbf16=0.5", f"{E}x{N}x{K // 2}xi8=17", f"{E}x{N}x{K // 32}xi8=127", f"@sel{rows}.npy"]
-            variants = {"iree": (plain, [])}
-            variants["library"] = (tgt, [])
+            variants = {"iree": (plain, []), "library": (tgt, [])}
             for cand in CANDIDATES[rows]:
                 lib = out / f"{shape}_r{rows}_n{cand[0]}s{cand[1]}k{cand[2]}t{cand[3]}.mlir"
                 lib.write_text(_library_variant(library, rows, cand))
@@ -109,9 +108,9 @@ def build(out: Path, target: str) -> None:
 
 
 def _benchmark_tool() -> str:
-    import iree._runtime_libs as libs
+    from dsv4.bench.speed import _tool
 
-    tool = Path(libs.__file__).parent / "iree-benchmark-module"
+    tool = _tool("iree-benchmark-module")
     if not tool.exists():
         raise SystemExit(f"iree-benchmark-module not found at {tool} (iree-base-runtime installs it)")
     return str(tool)
