@@ -19,7 +19,9 @@ its MLIR kernel and the kernel's variants. An export traces one of them per op:
    prefill; at the embedded default's size the gather is 2x faster). GPU targets keep the gather:
    their compile of the in-place kernel needs a flag that changes every reduction (``gpu_flags``);
 5. the user's ``--kernel OP=IMPL`` choices on top ('*=IMPL' first, for every op offering IMPL, then
-   the named ops): an explicit choice always wins.
+   the named ops): an explicit choice always wins, except that an export with an llvm-cpu target
+   refuses the ``gpu_only`` implementations: they decode MXFP4 through f32 subnormals, which IREE's
+   CPU runtime flushes to zero (the GPUs keep them).
 
 config.json records the result per target ("kernels", and the flags in "flags"); ``--kernel``'s help
 is generated from the same table.
@@ -61,6 +63,7 @@ class Rule:
     gpu: str | None = None  # an export whose targets are all GPUs (without --batch-invariant)
     cpu_big_experts: str | None = None  # an llvm-cpu-only export with routed experts over GATHER_COPY_LIMIT
     gpu_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # impl -> flags a GPU compile needs
+    gpu_only: tuple[str, ...] = ()  # implementations exact only on targets that keep subnormal floats
 
 
 RULES: dict[str, Rule] = {
@@ -93,9 +96,10 @@ RULES: dict[str, Rule] = {
     # keep the gather and the stacked kernel's f32 form). The sequential "kernel" needs a flag on GPU
     # targets: reductions that gather fail in ReductionVectorDistribution
     "mxfp4_linear_gathered": Rule("reference", batch_invariant="reference", gpu="kernel_gemm",
-                                  cpu_big_experts="kernel", gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)}),
+                                  cpu_big_experts="kernel", gpu_flags={"kernel": (GPU_REDUCTION_FLAG,)},
+                                  gpu_only=("kernel_gemm",)),
     # the gathered GEMM's form with the SwiGLU epilogue: where mxfp4_linear_gathered takes kernel_gemm
-    "mxfp4_swiglu_gathered": Rule("reference", batch_invariant="reference", gpu="kernel"),
+    "mxfp4_swiglu_gathered": Rule("reference", batch_invariant="reference", gpu="kernel", gpu_only=("kernel",)),
     "hc_sinkhorn": Rule("kernel"),
     "rms_norm": Rule("kernel"),
     # reads only the selected experts' weights; GPUs: decode batches over 24 pairs in 16-row blocks read in place
@@ -112,7 +116,7 @@ def _check_rules() -> None:
         raise RuntimeError(f"export/lowering.py RULES and the declared kernels differ: "
                            f"{sorted(set(RULES) ^ set(mk.KERNELS))}")
     for name, rule in RULES.items():
-        for impl in (rule.default, rule.batch_invariant, rule.gpu, rule.cpu_big_experts, *rule.gpu_flags):
+        for impl in (rule.default, rule.batch_invariant, rule.gpu, rule.cpu_big_experts, *rule.gpu_flags, *rule.gpu_only):
             if impl is not None:
                 mk.KERNELS[name].check_impl(impl)
 
@@ -166,6 +170,11 @@ def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
         picked = picked or (rule.cpu_big_experts if big else None)
         base[name] = picked or rule.default
     kernels = resolve_kernels(dict(spec.kernels), base=base)
+    if not gpu_only:
+        cpu_bad = [f"{n}={i}" for n, i in kernels.items() if i in RULES[n].gpu_only]
+        if cpu_bad:
+            raise ValueError(f"--kernel {', '.join(cpu_bad)}: decodes MXFP4 through f32 subnormals, which IREE's llvm-cpu "
+                             f"runtime flushes to zero (codes +-0.5 would read as 0); GPU targets only")
     flags = {}
     for t in spec.targets:
         implied = [f for n, i in kernels.items() for f in RULES[n].gpu_flags.get(i, ())] if t.name != "llvm-cpu" else []
@@ -179,9 +188,10 @@ def kernel_help() -> str:
     odd = ", ".join(f"{n}={r.default}" for n, r in RULES.items() if r.default != usual)
 
     def when(attr: str) -> str:
-        return ", ".join(f"{n}={getattr(r, attr)}" for n, r in RULES.items() if getattr(r, attr))
+        picks = ((n, getattr(r, attr)) for n, r in RULES.items())
+        return ", ".join(f"{n}={'/'.join(v) if isinstance(v, tuple) else v}" for n, v in picks if v)
 
     return (f"lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong OP or IMPL "
             f"lists the choices). Plan (export/lowering.py): {usual} for every op but {odd}; on a GPU with "
             f"--batch-invariant {when('batch_invariant')}; on GPUs only (no llvm-cpu target) {when('gpu')}; on llvm-cpu alone with routed experts over 1 GiB a "
-            f"layer in f32 {when('cpu_big_experts')}")
+            f"layer in f32 {when('cpu_big_experts')}; never with an llvm-cpu target {when('gpu_only')}")

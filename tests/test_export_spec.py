@@ -199,6 +199,16 @@ def test_plan_per_target(targets, cfg, bi, choices, changes, flags):
     assert dict(plan.flags) == flags
 
 
+@pytest.mark.parametrize("targets", [("llvm-cpu",), ("llvm-cpu", "cuda")])
+@pytest.mark.parametrize("choice", [{"mxfp4_linear_gathered": "kernel_gemm"}, {"mxfp4_swiglu_gathered": "kernel"}])
+def test_plan_refuses_the_subnormal_decodes_beside_llvm_cpu(targets, choice):
+    """The gathered GEMMs' MXFP4 decode passes through f32 subnormals, which IREE's CPU runtime flushes:
+    an export with an llvm-cpu target refuses them, by name, instead of reading codes +-0.5 as 0."""
+    op, impl = next(iter(choice.items()))
+    with pytest.raises(ValueError, match=f"{op}={impl}: decodes MXFP4 through f32 subnormals.*GPU targets only"):
+        plan_lowering(ExportSpec(targets=targets, kernels=choice), TINY)
+
+
 def test_plan_flags_keep_the_extra_flags_first():
     spec = ExportSpec(targets=("llvm-cpu", "gfx942"), extra_flags=("--x",), kernels={"mxfp4_linear_gathered": "kernel"})
     assert dict(plan_lowering(spec, TINY).flags) == {"llvm-cpu": ("--x",), "gfx942": ("--x", GPU_REDUCTION_FLAG)}

@@ -265,7 +265,8 @@ def mxfp4_linear_stacked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 _EAGER_DECODE_BYTES = 2 << 30
 # "kernel" reads the selected experts in place inside one sequential f32 reduction; "kernel_gemm" gathers,
-# decodes and runs the stacked kernel's bf16 GEMM in one dispatch (quant.mlir.jinja), on the matrix cores
+# decodes and runs the stacked kernel's bf16 GEMM in one dispatch (quant.mlir.jinja), on the matrix cores;
+# its row blocks decode through f32 subnormals, exact on the GPUs only (export/lowering.py, Rule.gpu_only)
 _GATHERED_GEMMS = {"kernel_gemm": {"gathered_gemm": True}}
 
 
