@@ -313,9 +313,9 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
              # one row per expert (decode's gathered pairs: a batch matvec in the bf16 form)
              "stacked1": (mxfp4_linear_stacked, (torch.stack(ps), torch.stack(ss)), [xs[:, :1]],
                           {"mxfp4_linear_stacked": form})}
-    # the row-block GEMMs' decode (GPU exports only, export/lowering.py gpu_only) passes each code through an
-    # f32 subnormal, which IREE's llvm-cpu runtime flushes: their weights here skip codes +-0.5 (1, 9), which
-    # the construction's own test covers (test_e2m1_f32_subnormal_is_exact_with_subnormals)
+    # kernel_gemm's decode (GPU exports only, export/lowering.py gpu_only) passes each code through an f32
+    # subnormal, which IREE's llvm-cpu runtime flushes: its weights here skip codes +-0.5 (1, 9), which the
+    # construction's own test covers (test_e2m1_f32_subnormal_is_exact_with_subnormals)
     gps, gss, gwsd = zip(*[mxfp4_weight(64, 256, skip=(1, 9)) for _ in range(2)])
     if form == "kernel":
         gathered = lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel)  # noqa: E731
@@ -323,12 +323,12 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
         cases["gathered"] = (gathered, ws, [xg, sel], {"mxfp4_linear_gathered": "kernel"})
         # the gather inside the GEMM's dispatch: row blocks (a batch matmul) and one row a block (a batch matvec)
         cases["gathered_gemm"] = (gathered, wg, [xg, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
-        cases["gathered_gemm1"] = (gathered, ws, [xg[:, :1], sel], {"mxfp4_linear_gathered": "kernel_gemm"})
+        cases["gathered_gemm1"] = (gathered, wg, [xg[:, :1], sel], {"mxfp4_linear_gathered": "kernel_gemm"})
         # the up projection with the routed SwiGLU as its epilogue (both clamps bind at 1.5)
         swiglu = lambda x, gt, rw, sel, p, s: mxfp4_swiglu_gathered(x, gt, rw, p, s, sel, 1.5, 0)  # noqa: E731
         cases["swiglu"] = (swiglu, wg, [xg, gate, rw, sel], {"mxfp4_swiglu_gathered": "kernel"})
         # one row a block: the decode's GEMV reads the experts in place
-        cases["swiglu1"] = (swiglu, ws, [xg[:, :1], gate[:, :1], rw[:, :1], sel], {"mxfp4_swiglu_gathered": "kernel"})
+        cases["swiglu1"] = (swiglu, wg, [xg[:, :1], gate[:, :1], rw[:, :1], sel], {"mxfp4_swiglu_gathered": "kernel"})
     out = build(cases, kernel_compile, tmp_path, f"quant-mxfp4-{form}")
 
     def check(got, xin, w, what):
@@ -342,22 +342,22 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
         check(out["stacked1"][0][e], xs[e, :1], wsd[e], f"mxfp4_linear_stacked[{form}][{e}], one row")
     if "gathered" in out:
         for g in range(3):
-            w = wsd[int(sel[g])]
+            w, wg1 = wsd[int(sel[g])], gwsd[int(sel[g])]
             check(out["gathered"][0][g], xg[g], w, f"mxfp4_linear_gathered[{g}]")
-            check(out["gathered_gemm"][0][g], xg[g], gwsd[int(sel[g])], f"mxfp4_linear_gathered[kernel_gemm][{g}]")
+            check(out["gathered_gemm"][0][g], xg[g], wg1, f"mxfp4_linear_gathered[kernel_gemm][{g}]")
             assert out["gathered_gemm1"][0][g].shape == (1, 64)
-            check(out["gathered_gemm1"][0][g], xg[g, :1], w, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
-            for name, rows, w in (("swiglu", 2, gwsd[int(sel[g])]), ("swiglu1", 1, wsd[int(sel[g])])):
+            check(out["gathered_gemm1"][0][g], xg[g, :1], wg1, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
+            for name, rows in (("swiglu", 2), ("swiglu1", 1)):
                 # float64 SwiGLU of the float64 product: u's fp32 sum error times |silu(g) w|, plus the epilogue's roundings
                 xq = block_qdq(xg[g, :rows].double().numpy(), 128, fp4=False)
-                u, gt, lim = xq @ w.T, gate[g, :rows].double().numpy(), 1.5
+                u, gt, lim = xq @ wg1.T, gate[g, :rows].double().numpy(), 1.5
                 sg = np.minimum(gt, lim)
                 silu_w = sg / (1 + np.exp(-sg)) * rw[g, :rows].double().numpy()[:, None]
                 want = silu_w * np.clip(u, -lim, lim)
                 got = out[name][0][g]
                 assert got.shape == (rows, 64)
                 err = np.abs(got.astype(np.float64) - want)
-                assert (err <= 4e-5 * np.abs(silu_w) * (np.abs(xq) @ np.abs(w).T) + 2e-6 * np.abs(want) + 1e-30).all(), \
+                assert (err <= 4e-5 * np.abs(silu_w) * (np.abs(xq) @ np.abs(wg1).T) + 2e-6 * np.abs(want) + 1e-30).all(), \
                     f"mxfp4_swiglu_gathered[{g}], {rows} rows: worst {float(err.max()):.3g}"
 
 
