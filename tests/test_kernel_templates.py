@@ -271,19 +271,22 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
 
 
 def test_e2m1_f32_subnormal_is_exact_with_subnormals() -> None:
-    """quant.mlir.jinja's e2m1_f32_subnormal (the row-block GEMMs' decode): code x (2^22 + 2^28) & 0x81C00000
-    read as f32, times 2^126, is every E2M1 code's value where subnormals are kept (numpy; the GPUs), and
-    times every E8M0 scale, cut to bf16 by its top 16 bits, is the float64 product rounded to bf16."""
+    """quant.mlir.jinja's e2m1_scaled_bf16 (kernel_gemm's decode): code x (2^22 + 2^28) & 0x81C00000 read as
+    f32 (e2m1_f32_subnormal), times 2^126, is every E2M1 code's value where subnormals are kept (numpy; the
+    GPUs), and times every E8M0 scale, cut to bf16 by its top 16 bits, is the float64 product rounded to bf16."""
     import re
 
     import ml_dtypes
 
     from dsv4.model.kernels import KERNELS
 
-    macro = re.search(r"macro e2m1_f32_subnormal.*?endmacro", KERNELS["mxfp4_linear_gathered"].mlir_template(), re.S).group(0)
+    text = KERNELS["mxfp4_linear_gathered"].mlir_template()
+    macro = re.search(r"macro e2m1_f32_subnormal.*?endmacro", text, re.S).group(0)
     k, mask = (np.int64(re.search(rf"_{n} = arith.constant (-?\d+) : i32", macro).group(1)).astype(np.uint32)
                for n in ("k", "mask"))
     assert (k, mask) == (0x10400000, 0x81C00000)  # the sign to bit 31, the magnitude to bits 22..24
+    scaled = re.search(r"macro e2m1_scaled_bf16.*?endmacro", text, re.S).group(0)
+    assert "_two126 = arith.constant 0x7E800000 : f32" in scaled and "_k16 = arith.constant 16 : i32" in scaled
     codes = np.arange(16, dtype=np.uint32)
     v = ((codes * k) & mask).view(np.float32) * np.float32(2.0 ** 126)
     want = np.where(codes & 8, -1.0, 1.0) * GRID[codes & 7]
