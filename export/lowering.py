@@ -21,9 +21,7 @@ its MLIR kernel and the kernel's variants. An export traces one of them per op:
 5. the user's ``--kernel OP=IMPL`` choices on top ('*=IMPL' first, for every op offering IMPL, then
    the named ops): an explicit choice always wins, except that an export with an llvm-cpu target
    refuses the ``gpu_only`` implementations: they decode MXFP4 through f32 subnormals, which IREE's
-   CPU runtime flushes to zero (the GPUs keep them), and their one-row GEMV takes its tiling from the
-   target's tuning library (export/tuning): a target without one (cuda before sm_80, a ROCm arch other
-   than gfx942) keeps the op's default, and refuses them when named.
+   CPU runtime flushes to zero (the GPUs keep them).
 
 config.json records the result per target ("kernels", and the flags in "flags"); ``--kernel``'s help
 is generated from the same table.
@@ -37,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from dsv4.model import kernels as mk
 
-from .compile import GPU_REDUCTION_FLAG, TUNING_FLAG
+from .compile import GPU_REDUCTION_FLAG
 
 if TYPE_CHECKING:
     from .spec import ExportSpec
@@ -65,7 +63,7 @@ class Rule:
     gpu: str | None = None  # an export whose targets are all GPUs (without --batch-invariant)
     cpu_big_experts: str | None = None  # an llvm-cpu-only export with routed experts over GATHER_COPY_LIMIT
     gpu_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # impl -> flags a GPU compile needs
-    gpu_only: tuple[str, ...] = ()  # implementations for tuned GPU targets: subnormal floats, the tuning library's tiles
+    gpu_only: tuple[str, ...] = ()  # implementations exact only on targets that keep subnormal floats
 
 
 RULES: dict[str, Rule] = {
@@ -164,12 +162,11 @@ def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
     """The lowering of every op for `spec`'s targets and options on the model `cfg` (module docstring)."""
     gpu = any(t.name != "llvm-cpu" for t in spec.targets)
     gpu_only = all(t.name != "llvm-cpu" for t in spec.targets)
-    untuned = [t.label for t in spec.targets if not any(f.startswith(TUNING_FLAG) for f in t.flags)]
     big = not gpu and routed_f32_bytes(cfg) > GATHER_COPY_LIMIT
     base = {}
     for name, rule in RULES.items():
         picked = rule.batch_invariant if gpu and spec.batch_invariant else None
-        picked = picked or (rule.gpu if gpu_only and not (untuned and rule.gpu in rule.gpu_only) else None)
+        picked = picked or (rule.gpu if gpu_only else None)
         picked = picked or (rule.cpu_big_experts if big else None)
         base[name] = picked or rule.default
     kernels = resolve_kernels(dict(spec.kernels), base=base)
@@ -178,10 +175,6 @@ def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
         if cpu_bad:
             raise ValueError(f"--kernel {', '.join(cpu_bad)}: decodes MXFP4 through f32 subnormals, which IREE's llvm-cpu "
                              f"runtime flushes to zero (codes +-0.5 would read as 0); GPU targets only")
-    tuned_bad = [f"{n}={i}" for n, i in kernels.items() if i in RULES[n].gpu_only] if untuned else []
-    if tuned_bad:
-        raise ValueError(f"--kernel {', '.join(tuned_bad)}: the one-row GEMV takes its tiling from a tuning library "
-                         f"(export/tuning), which target(s) {', '.join(untuned)} lack; tuned: cuda sm_80 and later, gfx942")
     flags = {}
     for t in spec.targets:
         implied = [f for n, i in kernels.items() for f in RULES[n].gpu_flags.get(i, ())] if t.name != "llvm-cpu" else []
@@ -201,4 +194,4 @@ def kernel_help() -> str:
     return (f"lower hot spot OP with IMPL, repeatable; '*=IMPL' for every op offering it (a wrong OP or IMPL "
             f"lists the choices). Plan (export/lowering.py): {usual} for every op but {odd}; on a GPU with "
             f"--batch-invariant {when('batch_invariant')}; on GPUs only (no llvm-cpu target) {when('gpu')}; on llvm-cpu alone with routed experts over 1 GiB a "
-            f"layer in f32 {when('cpu_big_experts')}; never with an llvm-cpu target or one without a tuning library {when('gpu_only')}")
+            f"layer in f32 {when('cpu_big_experts')}; never with an llvm-cpu target {when('gpu_only')}")

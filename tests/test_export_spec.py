@@ -177,9 +177,6 @@ CASES = [
     (("gfx942", "cuda"), TINY, False, {"f32_linear": "kernel"}, {**GPU_ONLY, "f32_linear": "kernel"},
      {"gfx942": (), "cuda": ()}),
     (("cuda",), FLASH, True, {}, GPU_BI, {"cuda": ()}),
-    # no tuning library (cuda before sm_80): the gathered GEMMs keep the reference, the rest as GPU_ONLY
-    (("cuda:sm_75",), FLASH, False, {}, {**GPU_ONLY, "mxfp4_linear_gathered": "reference",
-                                         "mxfp4_swiglu_gathered": "reference"}, {"cuda": ()}),
     (("gfx942", "cuda"), TINY, True, {}, GPU_BI, {"gfx942": (), "cuda": ()}),
     (("llvm-cpu",), FLASH, True, {}, CPU_BIG, {"llvm-cpu": ()}),  # llvm-cpu alone ignores --batch-invariant
     (("cuda",), FLASH, True, {"f32_linear": "reference"}, {**GPU_BI, "f32_linear": "reference"}, {"cuda": ()}),
@@ -210,14 +207,6 @@ def test_plan_refuses_the_subnormal_decodes_beside_llvm_cpu(targets, choice):
     op, impl = next(iter(choice.items()))
     with pytest.raises(ValueError, match=f"{op}={impl}: decodes MXFP4 through f32 subnormals.*GPU targets only"):
         plan_lowering(ExportSpec(targets=targets, kernels=choice), TINY)
-
-
-@pytest.mark.parametrize("targets", [("cuda:sm_75",), ("gfx942", "cuda:sm_75")])
-def test_plan_refuses_the_gathered_gemms_without_a_tuning_library(targets):
-    """The gathered GEMMs' one-row GEMV takes its tiling from the target's tuning library (without it
-    gfx942 cannot compile it): named for a target that has none, the plan says so instead of IREE failing."""
-    with pytest.raises(ValueError, match=r"mxfp4_linear_gathered=kernel_gemm: the one-row GEMV .* cuda:sm_75 lack"):
-        plan_lowering(ExportSpec(targets=targets, kernels={"mxfp4_linear_gathered": "kernel_gemm"}), TINY)
 
 
 def test_plan_flags_keep_the_extra_flags_first():
