@@ -20,7 +20,7 @@ from dsv4.export.compile import GPU_REDUCTION_FLAG, compile_mlir, vmfb_executabl
 from dsv4.runtime.module import IreeModule, ensure_runtime_flags
 from dsv4.export.kernel_op import use_kernels
 from dsv4.model import kernels as mk
-from dsv4.model.quant.formats import fp8_fn_to_fnuz
+from dsv4.model.quant.formats import fp8_fn_to_fnuz, pack_e2m1
 from dsv4.model.kernels.indexer import indexer_scores
 from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_shared, fp8_block_linear_stacked,
                                        grouped_linear, mxfp4_linear, mxfp4_linear_gathered, mxfp4_linear_stacked)
@@ -142,7 +142,7 @@ class GatheredLinear(nn.Module):
         super().__init__()
         kept = torch.tensor([c for c in range(16) if c not in (1, 9)])
         codes = kept[torch.randint(0, len(kept), (4, 64, 128), generator=G)]
-        self.packed = nn.Parameter((codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), requires_grad=False)
+        self.packed = nn.Parameter(pack_e2m1(codes), requires_grad=False)
         self.scale = nn.Parameter(torch.randint(120, 130, (4, 64, 4), generator=G, dtype=torch.uint8), requires_grad=False)
 
     def forward(self, x, sel):
