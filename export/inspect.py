@@ -88,6 +88,7 @@ _DISPATCH_OP = re.compile(r"\bstream\.cmd\.dispatch\s+(?:\{\s*)?@([\w$.-]+)::@([
 _DEV_FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\(")
 _HOST_FUNC = re.compile(r"^\s*util\.func\s+(?:public\s+|private\s+)?@([\w$.\"-]+)")
 _INITIALIZER = re.compile(r"^\s*util\.initializer\b")
+_AWAIT_OP = re.compile(r"\bstream\.timepoint\.await\b")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,6 +362,9 @@ class SourcesIR:
     funcs: dict[str, list[str]]  # export name -> the lines of its func.func
     aliases: dict[str, AffineMap]
     calls: dict[str, list[tuple[str, tuple[int | None, ...], tuple[int | None, ...]]]]
+    # host function -> its `stream.timepoint.await` ops: where the host waits for the device before it
+    # issues more work (the queue drains there)
+    waits: dict[str, int] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     def dispatch(self, name: str, rows: int, push: Sequence[int | None] = (),
@@ -585,6 +589,7 @@ def parse_sources(text: str, rows: int) -> SourcesIR:
     aliases: dict[str, AffineMap] = {}
     funcs: dict[str, list[str]] = {}
     calls: dict[str, list[tuple[str, tuple[int | None, ...], tuple[int | None, ...]]]] = {}
+    waits: collections.Counter = collections.Counter()
     dev: list[str] | None = None
     host: str | None = None
     env: dict[str, int] = {}
@@ -614,6 +619,8 @@ def parse_sources(text: str, rows: int) -> SourcesIR:
             push = tuple(env.get(x) for x in _SSA.findall(pc.group(1))) if pc else ()
             calls[host].append((m.group(3), push, work))
             continue
+        if _AWAIT_OP.search(line):
+            waits[host] += 1
         a = _ASSIGN.match(line)
         if a is None:
             continue
@@ -621,7 +628,7 @@ def parse_sources(text: str, rows: int) -> SourcesIR:
             env[a.group(1)] = rows
         else:
             eval_int(a.group(1), int(a.group(2) or 0), a.group(3), a.group(4), env)
-    return SourcesIR(funcs, aliases, calls)
+    return SourcesIR(funcs, aliases, calls, dict(waits))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -745,6 +752,7 @@ class Dispatch:
 class EntryReport:
     function: str
     calls: list[Dispatch]  # one per stream.cmd.dispatch, in program order
+    host_waits: int = 0  # times a call's host program waits for the device mid-call (stream.timepoint.await)
 
     def kernels(self) -> list[tuple[Dispatch, int]]:
         """Distinct dispatches with how often one call runs each, by FLOPs (then bytes) per call."""
@@ -761,6 +769,7 @@ class EntryReport:
         multi = [d for d in mm_kernels if d.info.multi_row]
         return {
             "dispatches": len(self.calls),
+            "host_waits": self.host_waits,
             "kernels": len({d.info.name for d in self.calls}),
             "flops": sum(d.info.flops for d in self.calls),
             "matmul_flops": mm,
@@ -820,7 +829,7 @@ def build_report(ir: SourcesIR, matrix: Mapping[str, Mapping[str, int]] | None, 
                 raise ValueError(f"kernel {n} is not in the vmfb's code: was the vmfb compiled from this "
                                  "model.mlir with config.json's flags? (re-export with --keep-mlir)")
             calls.append(Dispatch(info, bool(ops), dict(ops)))
-        out.append(EntryReport(entry, calls))
+        out.append(EntryReport(entry, calls, ir.waits.get(func, 0)))
     if entries:
         missing = sorted(set(entries) - {e.function for e in out})
         if missing:
@@ -952,7 +961,7 @@ def _si(x: float, unit: str) -> str:
 def totals_line(t: Mapping[str, Any]) -> str:
     share = t["matrix_share"]
     on = t["multi_row_matmul_kernels_on_matrix"]
-    parts = [f"{t['dispatches']} dispatches ({t['kernels']} kernels)", _si(t["flops"], "FLOP"),
+    parts = [f"{t['dispatches']} dispatches ({t['kernels']} kernels), {t['host_waits']} host wait{'' if t['host_waits'] == 1 else 's'}", _si(t["flops"], "FLOP"),
              f"matmul {_si(t['matmul_flops'], 'FLOP')}"
              + (f", {100 * share:.1f} % on the matrix cores" if share is not None else ""),
              _si(t["bytes"], "B"),

@@ -113,6 +113,10 @@ module {
       }
       stream.cmd.dispatch @f_dispatch_1::@rocm_hsaco_fb::@f$async_dispatch_1_elementwise_4x64_f32 {
       }
+    } => !stream.timepoint
+    %8 = stream.timepoint.await %7 => %r : !stream.resource<external>{%c16}
+    %9 = util.optimization_barrier %8 : !stream.resource<external>
+    %10 = stream.cmd.execute on(#hal.device.affinity<@__device_0>) with(%9 as %arg2: !stream.resource<external>{%c16}) {
       stream.cmd.dispatch @f_dispatch_0::@rocm_hsaco_fb::@f$async_dispatch_0_matmul_Dx512x256_bf16xbf16xf32[%2](%4, %6 : i32, i32) {
       }
     } => !stream.timepoint
@@ -156,6 +160,8 @@ def test_report_totals_and_the_share_of_matmul_flops_on_the_matrix_cores() -> No
     t = entries["f"].totals()
     mm = 2 * 112 * 512 * 256
     assert (t["dispatches"], t["kernels"], t["matmul_flops"], t["flops"]) == (3, 2, 2 * mm, 2 * mm + 512)
+    # the host waits for the device once mid-call (the await before the barrier); the initializer never
+    assert t["host_waits"] == 1 and entries["<initializer>"].totals()["host_waits"] == 0
     assert t["matrix_share"] == 1.0 and (t["multi_row_matmul_kernels"], t["multi_row_matmul_kernels_on_matrix"]) == (1, 1)
     assert [k.info.name for k, _ in entries["f"].kernels()] == [MATMUL, GATHER]
     no_mfma = {MATMUL: collections.Counter(), GATHER: collections.Counter()}
@@ -170,7 +176,7 @@ def test_report_totals_and_the_share_of_matmul_flops_on_the_matrix_cores() -> No
         I.build_report(ir, matrix, 100, ["g"])
     text = I.format_report(I.InspectReport("OUT", "gfx942", 100, entries=I.build_report(ir, matrix, 100),
                                            mlir="model.mlir", seconds={}))
-    assert "f: 3 dispatches (2 kernels)" in text and "100.0 % on the matrix cores" in text
+    assert "f: 3 dispatches (2 kernels), 1 host wait" in text and "100.0 % on the matrix cores" in text
 
 
 def test_a_matvec_has_one_row_and_a_batched_matmul_keeps_its_batch_apart() -> None:
@@ -319,6 +325,10 @@ def test_tiny_export_dispatch_counts_and_a_matmuls_flops(tiny_fp32_export: Path,
     want = _stream_counts(out / "model.mlir", flags)
     got = {e.function: e.totals()["dispatches"] for e in rep.entries}
     assert got == want and {"prefill_bs1", "decode_bs1", "decode_bs4"} <= set(got)
+    # a decode call never makes the host wait for the GPU mid-call (the fusion barriers are compute barriers,
+    # not optimization barriers, each of which was a wait: docs/performance.md, Host waits)
+    waits = {e.function: e.host_waits for e in rep.entries if e.function.startswith("decode")}
+    assert waits and set(waits.values()) == {0}, waits
     checked = 0
     for e in rep.entries:
         for d in e.calls:

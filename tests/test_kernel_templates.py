@@ -227,7 +227,7 @@ def test_hadamard_template_generics_stay_small(D: int) -> None:
 
 
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32", "kernel_bf16", "kernel_fp8", "kernel_rows16",
-                                  "kernel_small_rows", "kernel_fp8_gemv"])
+                                  "kernel_small_rows", "kernel_fp8_gemv", "kernel_prefill_bf16"])
 def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     w, s, wd = fp8_weight(256, 256)
     ws, ss, wsd = zip(*[fp8_weight(256, 256) for _ in range(2)])

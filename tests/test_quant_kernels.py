@@ -204,7 +204,7 @@ def _float64_linear(mod: _Fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.mark.slow  # compiles
 @pytest.mark.parametrize("impl", ["kernel", "kernel_fp8", "kernel_f32", "kernel_bf16", "kernel_rows16",
-                                  "kernel_small_rows", "kernel_fp8_gemv"])
+                                  "kernel_small_rows", "kernel_fp8_gemv", "kernel_prefill_bf16"])
 def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     cases = _linear_cases()
     if impl in ("kernel_fp8", "kernel_rows16"):  # FP8-only GEMM forms (rows16: padded rows)
@@ -214,12 +214,14 @@ def test_quant_linear_kernels_vs_float64(impl, tmp_path):
     elif impl == "kernel_fp8_gemv":  # one static row reads the FP8 bytes (both formats, both scale dtypes), 3 rows padded
         cases = {**{f"{k}_row": (cases[k][0], cases[k][1][:1, :1]) for k in ("fp8", "fp8_fnuz", "fp8_e8m0fnu")},
                  "fp8_m3": cases["fp8_m3"]}
+    elif impl == "kernel_prefill_bf16":  # dynamic rows (5, 20) padded to 64 for the bf16 GEMM, both formats and scale dtypes
+        cases = {k: cases[k] for k in ("fp8", "fp8_fnuz", "fp8_e8m0fnu", "fp8_fnuz_m20", "fp8_ragged_f32")}
     elif impl in ("kernel_bf16", "kernel_f32"):  # FP8 and MXFP4 forms (the gathered MXFP4 one has neither)
         cases = {k: v for k, v in cases.items() if k in ("mxfp4", "mxfp4_stacked") or k.startswith("fp8")}
     # rows16 pads the rows of the static-row (decode) form: static shapes (10 rows -> 16, 16 and 20 -> 32)
     padded = impl in ("kernel_rows16", "kernel_small_rows", "kernel_fp8_gemv")
     mlir = _export(cases, tmp_path / "lin.mlir", impl, static=tuple(cases) if padded else ())
-    if padded:
+    if padded or impl == "kernel_prefill_bf16":
         assert "tensor.pad" in mlir.read_text()
     m = IreeModule(compile_mlir(mlir, "llvm-cpu", tmp_path / "lin.vmfb").path, tmp_path / "lin.irpa")
     for name, (mod, x) in cases.items():

@@ -6,8 +6,9 @@ dispatch then fails: the routed MoE's chunked rank with the `j < i` mask every l
 ("failed to distribute"), and the radix select's last threshold update fused with the count after it
 ("failed to bufferize"; docs/performance.md, Dispatches per step). Where the
 barrier stands, the producer stays in a dispatch of its own and the count compiles. Eager it is the
-identity, and so is the compiled kernel (a ``util.optimization_barrier``, which the compiler drops
-after forming the dispatches).
+identity, and so is the compiled kernel (an ``iree_tensor_ext.compute_barrier.end``, which the
+compiler drops once the dispatches are formed; a ``util.optimization_barrier`` stayed in the stream
+program and made the host wait for the GPU at every barrier).
 """
 
 from __future__ import annotations

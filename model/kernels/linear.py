@@ -78,6 +78,10 @@ SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
 # at batch 1) decodes the FP8 weight inside its own dispatch, reading 1 byte a weight plus the block scales, where
 # the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Same values and products
 FP8_GEMV = {"kernel_fp8_gemv": {**SMALL_ROWS["kernel_small_rows"], "fp8_gemv": True}}
+# "kernel_prefill_bf16" (the FP8 linear): kernel_small_rows, and a prefill (dynamic rows) takes the dequantized
+# bf16 GEMM with its rows padded to 64 (matrix cores) instead of FP8 x FP8, the weight's bf16 decode hoisted
+# to load time as decode's is. The same exact products, f32 sums in one K order
+PREFILL_BF16 = {"kernel_prefill_bf16": {**SMALL_ROWS["kernel_small_rows"], "prefill_bf16": True}}
 _GEMMS = {"kernel_f32": {"gemm": "f32"}, "kernel_bf16": {"gemm": "bf16"}, "kernel_fp8": {"gemm": "fp8"}, **_ROWS16}
 # MXFP4: "kernel" (= "kernel_bf16") decodes to bf16 [N, K] for a bf16 GEMM with f32 sums (exact operands), "kernel_f32"
 # an f32 multi-reduction (the form before; --batch-invariant keeps it: its decode rows agree at every batch size)
@@ -158,7 +162,7 @@ def _check_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wha
 
 @kernel("fp8_block_linear", args={"x": "..., K", "weight": "N, K", "scale": "NB, KB"}, results={"y": "..., N"},
         static=("N", "K", "NB", "KB"), dtypes={"x": _F, "weight": _FP8, "scale": _SCALES}, mlir=_MLIR,
-        mlir_variants={**_GEMMS, **SMALL_ROWS, **FP8_GEMV}, trace_sizes=("...",),
+        mlir_variants={**_GEMMS, **SMALL_ROWS, **FP8_GEMV, **PREFILL_BF16}, trace_sizes=("...",),
         alternatives={"weight_only": _fp8_weight_only})
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for an FP8 block-quantized weight, reference numerics (docs/model.md, Reference numerics).
