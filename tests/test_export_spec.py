@@ -162,7 +162,7 @@ DEFAULT = {"radix_threshold": "kernel", "pair_rank": "kernel", "fusion_barrier":
 GPU_BI = {"fp8_block_linear": "kernel_rows16", "fp8_block_linear_stacked": "kernel_rows16",
           "f32_linear": "kernel_rows16", "mxfp4_linear_stacked": "kernel_f32", "grouped_linear": "reference"}
 CPU_BIG = {"mxfp4_linear_gathered": "kernel"}
-GPU_ONLY = {"fp8_block_linear": "kernel_small_rows", "f32_linear": "kernel_small_rows",
+GPU_ONLY = {"fp8_block_linear": "kernel_prefill_bf16", "f32_linear": "kernel_small_rows",
             "grouped_linear": "kernel_small_rows", "mxfp4_linear_gathered": "kernel_gemm",
             "mxfp4_swiglu_gathered": "kernel", "fp8_block_linear_shared": "kernel",
             "moe_experts": "routed_blocks"}
