@@ -7,7 +7,8 @@ For one target of an export made with ``--keep-mlir``:
    gives one module holding every dispatch's source (a ``hal.executable`` per dispatch, its linalg ops on
    tensors) and the host program, whose ``stream.cmd.dispatch`` ops are the calls: counted per function,
    they are the dispatches per call (the same count as ``--compile-to=stream``: the host program does not
-   change between the two phases).
+   change between the two phases); its ``stream.timepoint.await`` ops, counted the same way, are the
+   host waits: where a call's host program stops issuing work until the device has drained its queue.
 2. ``iree-opt`` rewrites the named linalg ops (matmul, batch_matmul, fill, transpose, ...) as
    ``linalg.generic``, so every op carries its indexing maps and iterator types: the iteration space
    comes from the operand shapes, and a contraction (a reduction with two operands indexed by the
@@ -961,7 +962,8 @@ def _si(x: float, unit: str) -> str:
 def totals_line(t: Mapping[str, Any]) -> str:
     share = t["matrix_share"]
     on = t["multi_row_matmul_kernels_on_matrix"]
-    parts = [f"{t['dispatches']} dispatches ({t['kernels']} kernels), {t['host_waits']} host wait{'' if t['host_waits'] == 1 else 's'}", _si(t["flops"], "FLOP"),
+    waits = f"{t['host_waits']} host wait{'' if t['host_waits'] == 1 else 's'}"
+    parts = [f"{t['dispatches']} dispatches ({t['kernels']} kernels), {waits}", _si(t["flops"], "FLOP"),
              f"matmul {_si(t['matmul_flops'], 'FLOP')}"
              + (f", {100 * share:.1f} % on the matrix cores" if share is not None else ""),
              _si(t["bytes"], "B"),
