@@ -104,9 +104,6 @@ PREFILL_GROUP_BLOCK = 64
 # 0.25-0.27 ms as 16-row blocks, 48 took 0.78-0.85 ms as GEMVs (copied) against 0.55-0.62 ms as blocks.
 # 24 (batch 4 at top-6) keeps batches 1-4 on the GEMVs; between 6 and 48 the crossover is not measured.
 ONE_ROW_PAIRS_MAX = 24
-# From this many pairs on (and in every prefill), a GPU export runs as many blocks as the routing fills
-# (exact_blocks), a size the host reads back: one host wait a routed layer.
-EXACT_BLOCKS_MIN_PAIRS = 64
 
 
 _NOT_FIRST = 1e30  # above any sum of k routing weights (each <= routed_scaling_factor)
@@ -128,7 +125,7 @@ def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.T
 
 
 def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, w2, s2, w3, s3,
-                 limit: float, decode: bool) -> torch.Tensor:
+                 limit: float) -> torch.Tensor:
     """xs [G,M,d] rows, ws [G,M] routing weights, sel [G] the expert of each group -> fp32 [G,M,d].
 
     Same numerics per row as the reference (stacked_linear per expert, fp32 clamped SwiGLU, weight
@@ -136,7 +133,8 @@ def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, 
     (MXFP4 in place, `gathered_linear`)."""
     # decode's rows in dispatches of their own: multi-use fusion (export/compile.py) put their producers
     # into the expert GEMMs' activation block amax, which gfx942 failed to compile at K = 128 (the tiny models)
-    barrier = fusion_barrier if decode else (lambda t: t)
+    static = all(isinstance(n, int) for n in xs.shape)
+    barrier = fusion_barrier if static else (lambda t: t)
     xs = barrier(xs)
     g = gathered_linear(xs, w1, s1, sel)
     a = barrier(gathered_swiglu(xs, g, ws, w3, s3, sel, limit))
@@ -157,14 +155,6 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
 
 
 RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
-
-
-def exact_blocks(nblk: torch.Tensor, bound: int | torch.SymInt) -> int | torch.SymInt:
-    """The blocks the routing fills, sum(nblk), as a data-dependent size."""
-    G = nblk.sum().item()
-    torch._check(G >= 1)
-    torch._check(G <= bound)
-    return G
 
 
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
@@ -230,8 +220,7 @@ def _chunked_ranks(e: torch.Tensor, n_experts: int, chunk: int = RANK_CHUNK) -> 
 def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        w1: torch.Tensor, s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
                        w3: torch.Tensor, s3: torch.Tensor | None, limit: float,
-                       block: int | None = None, pair_max: int | None = None,
-                       exact_min_pairs: int | None = None) -> torch.Tensor:
+                       block: int | None = None, pair_max: int | None = None) -> torch.Tensor:
     """`moe_experts` computing only the routed experts (same signature and result up to fp32 order).
 
     Static rule on the (token, slot) pair count P = N*k, N the flattened tokens:
@@ -260,8 +249,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     if isinstance(P, int) and P <= one_row_max:
         # the merged weights behind a barrier: fused into the SwiGLU's epilogue, their k x k reduction made
         # that a reduction dispatch computing the [P, inter] epilogue slowly (0.21 ms a layer on the H100)
-        out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit,
-                           decode=True)
+        out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit)
         return out.view(N, k, d).sum(1)
     # pairs per expert, summed in f32 as pair_ranks does (exact; IREE's cuda backend failed on the integer sum)
     count = (torch.arange(E, device=x.device)[:, None] == e[None, :]).to(torch.float32).sum(1).to(torch.int64)
@@ -274,11 +262,9 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     blk_end = blk_start + nblk
     dest = blk_start[e] * block + rank  # row of each pair in the padded buffer, all distinct
     G = grouped_blocks(P, E, block)
-    if exact_min_pairs is not None and (not isinstance(P, int) or P >= exact_min_pairs):
-        G = exact_blocks(nblk, G)
     b = torch.arange(G, device=x.device)
     sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
-    if isinstance(P, int):  # a decode's static blocks: one row index (a pair of index tensors is stacked
+    if isinstance(G, int):  # a decode's static blocks: one row index (a pair of index tensors is stacked
         # into IREE's [P, 2] scatter indices, two strided copies a layer)
         xs = x.new_zeros(G * block, d).index_put((dest,), x[tok]).view(G, block, d)
         ws = wp.new_zeros(G * block).index_put((dest,), wp).view(G, block)
@@ -286,7 +272,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         at = (dest // block, dest % block)
         xs = x.new_zeros(G, block, d).index_put(at, x[tok])
         ws = wp.new_zeros(G, block).index_put(at, wp)
-    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit, decode=isinstance(P, int))
+    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
     # pairs are token-major, so each token's k results are a gather and a sum (no scatter-add:
     # aten.index_add does not lower in torch-mlir)
     return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
@@ -297,8 +283,7 @@ def moe_experts_routed_blocks(x: torch.Tensor, weights: torch.Tensor, indices: t
                               w3: torch.Tensor, s3: torch.Tensor | None, limit: float) -> torch.Tensor:
     """`moe_experts_routed` with the one-row-a-pair path up to ONE_ROW_PAIRS_MAX pairs only: a decode
     batch with more pairs takes the 16-row blocks, which GPU exports read in place (kernel_gemm)."""
-    return moe_experts_routed(x, weights, indices, w1, s1, w2, s2, w3, s3, limit, pair_max=ONE_ROW_PAIRS_MAX,
-                              exact_min_pairs=EXACT_BLOCKS_MIN_PAIRS)
+    return moe_experts_routed(x, weights, indices, w1, s1, w2, s2, w3, s3, limit, pair_max=ONE_ROW_PAIRS_MAX)
 
 
 def routed_moe() -> ContextManager[None]:
