@@ -287,6 +287,35 @@ def test_trace_with_dynamic_tokens_has_no_sort_and_matches():
         _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, s1, w2, s2, w3, s3, 10.0), n)
 
 
+def test_prefill_blocks_follow_the_largest_call(monkeypatch):
+    """A traced (prefill) pair count takes 16-row blocks when its largest value routes at most
+    SMALL_PREFILL_PAIRS_PER_EXPERT = 12 pairs to an expert on average, else 64-row blocks; either way the
+    exported program matches the reference."""
+    from dsv4.model.kernels import moe
+
+    rows = []
+    real = moe._expert_rows
+    monkeypatch.setattr(moe, "_expert_rows", lambda xs, *a, **kw: rows.append(xs.shape[1]) or real(xs, *a, **kw))
+    g = torch.Generator().manual_seed(11)
+    E, d, k = 8, 32, 2
+    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((16, d), (d, 16), (16, d)))
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, i):
+            return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
+
+    assert moe.SMALL_PREFILL_PAIRS_PER_EXPERT == 12
+    ex = (torch.randn(8, d), torch.rand(8, k), torch.randint(0, E, (8, k)))
+    for most, want in ((48, 16), (49, 64)):  # 48 tokens x 2 slots = 12 pairs for each of 8 experts
+        rows.clear()
+        N = torch.export.Dim("N", min=2, max=most)
+        prog = torch.export.export(M(), ex, dynamic_shapes=({0: N}, {0: N}, {0: N}), strict=False)
+        assert rows == [want], (most, rows)
+        for n in (2, 30, most):
+            x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
+            _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, None, w2, None, w3, None, 10.0), (most, n))
+
+
 def _two_layer_fp4_model() -> Transformer:
     """2 layers (0: sliding + hash-routed, 1: CSA top-k routed) + MTP, fp32 linears, MXFP4 experts."""
     cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=2, compress_ratios=[0, 4, 0], quant_sim=False,

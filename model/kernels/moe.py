@@ -98,6 +98,12 @@ GROUP_BLOCK = 16
 # gathers and decodes its expert's weights, so fewer, fuller blocks read fewer bytes (Flash, 8 x 256
 # tokens: 448 blocks of 64 rows against 1,024 of 16).
 PREFILL_GROUP_BLOCK = 64
+# ... unless an entry's largest call routes at most this many pairs to an expert on average (its pair count's
+# upper bound / E): then its blocks hold GROUP_BLOCK rows. Every block of the bound (E + P / Mb) decodes its
+# expert's whole weight; the gathered GEMM alone took ~7.8 us a block at 16 rows and ~11.6 us at 64 on an
+# H100 (docs/kernels.md), equal at P ~ 12.4 E. A 128-token prompt (3 pairs an expert) took Flash-4 to its
+# first token in 35.0 against 43.5-44.4 ms; 8 rows of 128 (24) prefilled 10.3k against 11.3k tokens/s.
+SMALL_PREFILL_PAIRS_PER_EXPERT = 12
 # The most (token, slot) pairs the one-row-a-pair path takes in `moe_experts_routed_blocks` (a GPU-only
 # export's routed MoE); more go through the 16-row blocks. Both read the experts in place on the GPU; on
 # the H100 (Flash w1 alone, docs/kernels.md) 6 experts took 0.14-0.15 ms as one-row GEMVs against
@@ -152,6 +158,15 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
         m = min(n_experts, n_pairs)
         return m + (n_pairs - m) // block
     return n_experts + n_pairs // block + 1
+
+
+def prefill_block(n_pairs: torch.SymInt, n_experts: int) -> int:
+    """The block rows of a traced (prefill) pair count: GROUP_BLOCK when its largest value (the range
+    torch.export's dynamic dims give it) is at most SMALL_PREFILL_PAIRS_PER_EXPERT pairs an expert, else
+    PREFILL_GROUP_BLOCK."""
+    most = n_pairs.node.shape_env.bound_sympy(n_pairs.node.expr).upper
+    small = most.is_finite and int(most) <= SMALL_PREFILL_PAIRS_PER_EXPERT * n_experts
+    return GROUP_BLOCK if small else PREFILL_GROUP_BLOCK
 
 
 RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
@@ -229,7 +244,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
         no sort/topk: docs/export.md, IREE 3.13 traps), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows (default GROUP_BLOCK, PREFILL_GROUP_BLOCK when P is dynamic).
+        multiplies `block` rows (default GROUP_BLOCK; prefill_block's choice when P is dynamic).
         Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
@@ -239,7 +254,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
                          f"indices {tuple(indices.shape)} disagree")
     P = N * k
     if block is None:
-        block = GROUP_BLOCK if isinstance(P, int) else PREFILL_GROUP_BLOCK
+        block = GROUP_BLOCK if isinstance(P, int) else prefill_block(P, E)
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
     e = indices.reshape(-1)
