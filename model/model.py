@@ -355,11 +355,15 @@ class Compressor(nn.Module):
         halves = lambda t: t.unflatten(-1, (-1, hd)).transpose(2, 3)  # noqa: E731  [B,rows,c,2,hd]
         kz_s = torch.where((rows < RS)[..., None, None], halves(ring)[bi, rows.clamp(max=RS - 1), half],
                            halves(kz)[bi, (rows - RS).clamp(min=0), half])  # [B,E,S,2,hd]
-        kc, zc = kz_s[..., 0, :], kz_s[..., 1, :]
+        # the slots last, [B,E,2,hd,S] (the gather writes that layout): the softmax and the pooling then reduce
+        # along contiguous memory, a warp a feature. Over the slots in place, IREE gave an HCA layer's 128 x 512
+        # pooling 4 workgroups of 32 threads on cuda (0.14 ms of a 3.9 ms Flash-4 decode step on an H100)
+        kz_s = kz_s.permute(0, 1, 3, 4, 2)
+        kc, zc = kz_s[:, :, 0], kz_s[:, :, 1]
         if self.overlap:  # window j-1 of entry 0 does not exist
-            ok = (pos >= 0)[..., None]
+            ok = (pos >= 0)[:, :, None, :]
             kc, zc = torch.where(ok, kc, 0.0), torch.where(ok, zc, float("-inf"))
-        pooled = (kc * zc.softmax(dim=2)).sum(2)  # [B,E,hd] fp32
+        pooled = (kc * zc.softmax(dim=-1)).sum(-1)  # [B,E,hd] fp32
 
         ent = self.norm(pooled.to(x.dtype))
         ent = rotate_tail(ent, self.rd, *rope_features_at(cos, sin, j * m, hd, self.rd))  # entry j at position jm
