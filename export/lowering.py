@@ -79,7 +79,7 @@ RULES: dict[str, Rule] = {
     "hadamard": Rule("kernel"),
     # GPUs: 2 to 4 rows padded to 8; decode's one-row GEMVs read the bf16 copy made at load time, and so does
     # a prefill's GEMM, its rows padded to 64 (kernel_prefill_bf16: Flash-4 on the H200 fills 8 rows at 11.4k
-    # instead of 7.9k tokens/s against FP8 x FP8). kernel_fp8_gemv (the GEMV reading the FP8 bytes: 0.4 GB
+    # instead of 8.2k tokens/s against FP8 x FP8). kernel_fp8_gemv (the GEMV reading the FP8 bytes: 0.4 GB
     # less a Flash-4 step) made batch 1 18-25 % slower on two H100s (docs/performance.md, Timed on one H100)
     "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_prefill_bf16"),
     "mxfp4_linear": Rule("kernel"),
