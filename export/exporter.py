@@ -6,7 +6,8 @@ option, validated once), one module with these entry points (all integers int64)
 * ``prefill_bs{N}(tokens[N,T], start_pos[N], lengths[N], slots[N], *state) -> (logits f32[N,V], argmax i64[N])``
   (argmax -1: that row's logits are not all finite)
   with T dynamic in [min_tokens, max_tokens] (min = the largest compression ratio: below it
-  torch.export specializes the chunk-size arithmetic);
+  torch.export specializes the chunk-size arithmetic), or T = max_tokens = min_tokens with
+  ``spec.static_prefill`` (the runtime pads every chunk to it);
 * ``decode_bs{N}(tokens[N,1], ...same...) -> (logits, argmax)``;
 * ``score_bs1(tokens[1,T], ...) -> logprobs f32[1,T]``, logprobs[t] = log p(tokens[t+1] | tokens[<=t])
   for t < lengths-1, 0 elsewhere (the runtime overlaps chunks by one token);
@@ -348,9 +349,10 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
     fxb = aot.FxProgramsBuilder(entry)
     state = [torch.zeros(shape, dtype=dt) for shape, dt in state_spec.values()]
     spec, cfg, min_tokens, max_chunk = run.spec, run.cfg, run.min_tokens, run.max_chunk
-    T = torch.export.Dim("T", min=min_tokens, max=max_chunk)
+    static = min_tokens == max_chunk  # --static-prefill (or a range of one): exactly max_chunk tokens a row
+    T = None if static else torch.export.Dim("T", min=min_tokens, max=max_chunk)
     i64 = torch.int64
-    ex_T = min(max(min_tokens, 2 * min_tokens), max_chunk)
+    ex_T = max_chunk if static else min(max(min_tokens, 2 * min_tokens), max_chunk)
     streams = not getattr(model, "is_first", True)
 
     def example(n: int, t: int) -> tuple:
@@ -358,8 +360,9 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
                 torch.arange(n, dtype=i64), state)
         return (torch.zeros(n, t, cfg.hc_mult, cfg.hidden_size), *args) if streams else args
 
-    dyn = {"tokens": {1: T}, "start_pos": None, "lengths": None, "slots": None, "state": [None] * len(state)}
-    if streams:
+    dyn = None if static else {"tokens": {1: T}, "start_pos": None, "lengths": None, "slots": None,
+                               "state": [None] * len(state)}
+    if streams and not static:
         dyn = {"h": {1: T}, **dyn}
     programs: list[tuple[str, Callable, tuple, Any]] = [
         *[(f"prefill_bs{n}", _Entry.step, example(n, ex_T), dyn) for n in spec.batch_sizes],
@@ -374,7 +377,8 @@ def _build_mlir(run: "_Run", model: nn.Module, state_spec: Mapping[str, tuple[tu
         def sampling(n: int) -> tuple:  # temperature, top_k, top_p, key (the values do not matter to the trace)
             return torch.ones(n), torch.zeros(n, dtype=i64), torch.ones(n), torch.zeros(n, dtype=i64)
 
-        dyn_next = {**dyn, "next_tokens": None, "temperature": None, "top_k": None, "top_p": None, "key": None}
+        dyn_next = None if static else {**dyn, "next_tokens": None, "temperature": None, "top_k": None, "top_p": None,
+                                        "key": None}
         programs += [(mtp_prefill_name(n), _Entry.mtp_prefill, (*example(n, ex_T)[:4], torch.full((n,), -1, dtype=i64),
                                                                *sampling(n), state), dyn_next) for n in spec.batch_sizes]
         programs += [(verify_name(n, spec.draft_tokens), _Entry.verify,

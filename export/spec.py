@@ -58,6 +58,9 @@ class ExportSpec:
     decode_batch_sizes: tuple[int, ...] | None = None
     n_slots: int | None = None
     max_chunk: int | None = None  # the largest prefill chunk
+    # prefill entry points of exactly max_chunk tokens a row (the runtime pads every chunk to it) instead of a
+    # dynamic count: static shapes let IREE tile every prefill kernel for its size (docs/performance.md)
+    static_prefill: bool = False
     score: bool = True  # the score_bs1 entry point
     probe_topk: bool = False  # topk_probe_bs1, for parity tests
     kernels: tuple[tuple[str, str], ...] = ()  # --kernel OP=IMPL, on top of the lowering plan
@@ -129,6 +132,8 @@ class ExportSpec:
             _fail(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_chunk is not None and (not isinstance(self.max_chunk, int) or self.max_chunk < 1):
             _fail(f"max_chunk must be a positive integer, got {self.max_chunk!r}")
+        if not isinstance(self.static_prefill, bool):
+            _fail(f"static_prefill must be True or False, got {self.static_prefill!r}")
         if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool) or self.draft_tokens < 0:
             _fail(f"draft_tokens must be an integer >= 0, got {self.draft_tokens!r}")
         if self.draft_tokens and (self.devices > 1 or self.pipeline):
@@ -141,13 +146,14 @@ class ExportSpec:
     # -- what needs the model ------------------------------------------------------------------
     def chunk_range(self, cfg: Any) -> tuple[int, int]:
         """(min_tokens, max_chunk) of the prefill entry points: the largest compression ratio (below it
-        torch.export specializes the chunk-size arithmetic) up to max_chunk."""
+        torch.export specializes the chunk-size arithmetic) up to max_chunk; (max_chunk, max_chunk) with
+        static_prefill."""
         min_tokens = max([r for r in cfg.compress_ratios if r] + [2])
         max_chunk = self.max_chunk if self.max_chunk is not None else min(cfg.max_seq_len, 512)
         if not min_tokens <= max_chunk <= cfg.max_seq_len:
             _fail(f"max_chunk {max_chunk} must be in [{min_tokens} (largest compression ratio), "
                   f"max_seq_len {cfg.max_seq_len}]")
-        return min_tokens, max_chunk
+        return (max_chunk, max_chunk) if self.static_prefill else (min_tokens, max_chunk)
 
     def check_model(self, cfg: Any, dtype_name: str | None) -> None:
         """ExportError unless the model (`cfg`, activation dtype name) is what the spec asks for and can
@@ -186,7 +192,7 @@ class ExportSpec:
             kernels.append((op.strip(), impl.strip()))
         return cls(targets=tuple(args.targets or ["gfx942"]), batch_sizes=tuple(args.batch_sizes),
                    decode_batch_sizes=args.decode_batch_sizes, n_slots=args.n_slots, max_chunk=args.max_chunk,
-                   score=not args.no_score, kernels=tuple(kernels), batch_invariant=args.batch_invariant,
+                   static_prefill=getattr(args, "static_prefill", False), score=not args.no_score, kernels=tuple(kernels), batch_invariant=args.batch_invariant,
                    devices=args.devices, pipeline=args.pipeline, keep_mlir=args.keep_mlir,
                    dtype=_CLI_DTYPES[args.dtype], max_seq_len=args.max_seq_len,
                    quant_sim=None if args.quant_sim is None else args.quant_sim == "on",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dsv4.runtime import ArtifactError, EngineError, ExportConfig, RequestError, SamplingParams
-from conftest import NO_TORCH_PRELUDE, TINY_FP32_ARGS, tiny_fp32_model
+from conftest import NO_TORCH_PRELUDE, TINY_FP32_ARGS, TINY_FP32_SEED, cached_export, tiny_fp32_cfg, tiny_fp32_model
 
 REPO = Path(__file__).resolve().parents[1]
 # the eager references: torch's two threads on a busy 2-core box made the greedy reference take 93 s
@@ -88,6 +88,32 @@ def test_tiny_greedy_matches_eager(tiny_engine, tiny_reference) -> None:
     for p, ref in zip(TINY_PROMPTS, tiny_reference):
         got = tiny_engine.generate(p, max_new_tokens=TINY_NEW, ignore_eos=True)
         assert got.tokens == ref, f"prompt of {len(p)} tokens"
+
+
+@pytest.fixture(scope="module")
+def tiny_static_engine():
+    """The tiny preset exported with --static-prefill (prefill_bs1/bs4 of exactly TINY_CHUNK tokens a row)."""
+    from dsv4.export.exporter import ExportSpec, export_model
+    from dsv4.runtime.engine import Engine
+
+    args = dict(TINY_FP32_ARGS, targets=("llvm-cpu",), probe_topk=False, keep_mlir=False, static_prefill=True)
+
+    def build(out: Path) -> None:
+        export_model(tiny_fp32_model(), ExportSpec(**args), out, progress=print)
+
+    return Engine(cached_export("tiny-fp32-static", build, [tiny_fp32_cfg().to_dict(), TINY_FP32_SEED,
+                                                             sorted(args.items())]))
+
+
+def test_static_prefill_matches_eager(tiny_static_engine, tiny_reference) -> None:
+    """A --static-prefill export: every chunk padded to the one exported length (prompts of 2 to 71 tokens:
+    shorter than a chunk, one chunk and a part, three chunks), batched too, greedy equal to eager."""
+    c = tiny_static_engine.config
+    assert c.prefill_min_tokens == c.prefill_max_tokens == TINY_CHUNK
+    for p, ref in zip(TINY_PROMPTS, tiny_reference):
+        assert tiny_static_engine.generate(p, max_new_tokens=TINY_NEW, ignore_eos=True).tokens == ref, len(p)
+    res = tiny_static_engine.generate_batch(TINY_PROMPTS[:4], [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4)
+    assert [r.tokens for r in res] == [ref[:12] for ref in tiny_reference[:4]]
 
 
 def test_tiny_batched_matches_eager(tiny_engine, tiny_reference) -> None:

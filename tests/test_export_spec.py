@@ -46,6 +46,7 @@ def test_bad_targets(targets, msg):
     ({"decode_batch_sizes": (1, 8), "n_slots": 4}, "n_slots 4 is smaller than the largest batch size 8"),
     ({"devices": 0}, "devices must be an integer >= 1"),
     ({"max_chunk": 0}, "max_chunk must be a positive integer"),
+    ({"static_prefill": "yes"}, "static_prefill must be True or False"),
     ({"dtype": "fp16"}, "dtype must be one of float32, bfloat16, float16"),
     ({"layers": -1}, "layers must be a positive integer"),
 ])
@@ -112,8 +113,9 @@ def test_from_args_maps_every_cli_option():
                                    "--n-slots", "9", "--max-chunk", "64", "--no-score", "--kernel", "topk=reference",
                                    "--kernel", "*=weight_only", "--batch-invariant", "--dtype", "fp32",
                                    "--max-seq-len", "512", "--quant-sim", "off", "--layers", "2", "--keep-mlir",
-                                   "--draft-tokens", "3", "-o", "x"]))
+                                   "--draft-tokens", "3", "--static-prefill", "-o", "x"]))
     assert s.draft_tokens == 3 and ExportSpec.from_args(_cli(["-o", "x"])).draft_tokens == 0
+    assert s.static_prefill and not ExportSpec.from_args(_cli(["-o", "x"])).static_prefill
     assert (s.batch_sizes, s.decode_batch_sizes, s.n_slots, s.max_chunk) == ((1, 4), (8,), 9, 64)
     assert s.kernels == (("topk", "reference"), ("*", "weight_only")) and s.batch_invariant
     assert (s.score, s.dtype, s.max_seq_len, s.quant_sim, s.layers, s.keep_mlir) == (False, "float32", 512, False,
@@ -147,6 +149,10 @@ def test_check_model_compares_the_model_with_the_spec():
     with pytest.raises(ExportError, match="cannot split 4 layers into 5 pipeline stages"):
         s.replace(devices=5, pipeline=True).check_model(TINY, "bfloat16")
     assert s.chunk_range(TINY) == (16, min(TINY.max_seq_len, 512))
+    # --static-prefill: one chunk size, max_chunk's
+    assert s.replace(static_prefill=True, max_chunk=32).chunk_range(TINY) == (32, 32)
+    with pytest.raises(ExportError, match=r"max_chunk 8 must be in \[16"):
+        s.replace(static_prefill=True, max_chunk=8).chunk_range(TINY)
 
 
 # ---- the lowering policy --------------------------------------------------------------------------

@@ -316,6 +316,34 @@ def test_prefill_blocks_follow_the_largest_call(monkeypatch):
             _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, None, w2, None, w3, None, 10.0), (most, n))
 
 
+def test_static_prefill_pairs_take_the_prefill_forms(monkeypatch):
+    """A static pair count above STATIC_PREFILL_PAIRS_MIN (a --static-prefill chunk) takes the prefill's
+    blocks and two-level ranks; at or below it, decode's 16-row blocks and P x P ranks. The exported
+    programs match the reference."""
+    from dsv4.model.kernels import moe
+
+    rows, chunked = [], []
+    real_rows, real_ranks = moe._expert_rows, moe._chunked_ranks
+    monkeypatch.setattr(moe, "_expert_rows", lambda xs, *a, **kw: rows.append(xs.shape[1]) or real_rows(xs, *a, **kw))
+    monkeypatch.setattr(moe, "_chunked_ranks", lambda *a, **kw: chunked.append(True) or real_ranks(*a, **kw))
+    g = torch.Generator().manual_seed(12)
+    E, d, k = 8, 16, 2
+    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((8, d), (d, 8), (8, d)))
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, i):
+            return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
+
+    assert moe.STATIC_PREFILL_PAIRS_MIN == 1024
+    # 512 tokens x 2 slots = 1,024 pairs: decode's forms; 513: 1,026 pairs, 128 an expert > 12: 64-row blocks
+    for n, want_rows, want_chunked in ((512, 16, False), (513, 64, True)):
+        rows.clear(), chunked.clear()
+        x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
+        prog = torch.export.export(M(), (x, w, i), strict=False)
+        assert rows == [want_rows] and bool(chunked) == want_chunked, (n, rows, chunked)
+        _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, None, w2, None, w3, None, 10.0), n)
+
+
 def _two_layer_fp4_model() -> Transformer:
     """2 layers (0: sliding + hash-routed, 1: CSA top-k routed) + MTP, fp32 linears, MXFP4 experts."""
     cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=2, compress_ratios=[0, 4, 0], quant_sim=False,

@@ -104,6 +104,11 @@ PREFILL_GROUP_BLOCK = 64
 # H100 (docs/kernels.md), equal at P ~ 12.4 E. A 128-token prompt (3 pairs an expert) took Flash-4 to its
 # first token in 35.0 against 43.5-44.4 ms; 8 rows of 128 (24) prefilled 10.3k against 11.3k tokens/s.
 SMALL_PREFILL_PAIRS_PER_EXPERT = 12
+# A static pair count above this is a prefill-sized call (an export's --static-prefill chunk; every decode
+# batch exported has fewer: Flash's 64 rows x top-6 = 384): it takes the prefill forms, the blocks of
+# `prefill_block` and the two-level ranks (a P x P count is quadratic: 38M compares a layer for Flash-4's
+# 8 x 128 chunk). At or below it, a static count keeps decode's 16-row blocks and P x P ranks.
+STATIC_PREFILL_PAIRS_MIN = 1024
 # The most (token, slot) pairs the one-row-a-pair path takes in `moe_experts_routed_blocks` (a GPU-only
 # export's routed MoE); more go through the 16-row blocks. Both read the experts in place on the GPU; on
 # the H100 (Flash w1 alone, docs/kernels.md) 6 experts took 0.14-0.15 ms as one-row GEMVs against
@@ -160,12 +165,17 @@ def grouped_blocks(n_pairs: int, n_experts: int, block: int) -> int:
     return n_experts + n_pairs // block + 1
 
 
-def prefill_block(n_pairs: torch.SymInt, n_experts: int) -> int:
-    """The block rows of a traced (prefill) pair count: GROUP_BLOCK when its largest value (the range
-    torch.export's dynamic dims give it) is at most SMALL_PREFILL_PAIRS_PER_EXPERT pairs an expert, else
-    PREFILL_GROUP_BLOCK."""
-    most = n_pairs.node.shape_env.bound_sympy(n_pairs.node.expr).upper
-    small = most.is_finite and int(most) <= SMALL_PREFILL_PAIRS_PER_EXPERT * n_experts
+def is_prefill_pairs(n_pairs: int | torch.SymInt) -> bool:
+    """Whether a pair count is a prefill's: traced (a dynamic chunk), or static above STATIC_PREFILL_PAIRS_MIN."""
+    return not isinstance(n_pairs, int) or n_pairs > STATIC_PREFILL_PAIRS_MIN
+
+
+def prefill_block(n_pairs: int | torch.SymInt, n_experts: int) -> int:
+    """The block rows of a prefill's pair count: GROUP_BLOCK when its largest value (a static count itself, a
+    traced one the upper bound of the range torch.export's dynamic dims give it) is at most
+    SMALL_PREFILL_PAIRS_PER_EXPERT pairs an expert, else PREFILL_GROUP_BLOCK."""
+    most = n_pairs if isinstance(n_pairs, int) else n_pairs.node.shape_env.bound_sympy(n_pairs.node.expr).upper
+    small = (isinstance(most, int) or most.is_finite) and int(most) <= SMALL_PREFILL_PAIRS_PER_EXPERT * n_experts
     return GROUP_BLOCK if small else PREFILL_GROUP_BLOCK
 
 
@@ -175,8 +185,8 @@ RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
     """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
     counting-sort rank). `pairwise` (the default when tracing for export): compare-and-count, parallel
-    reductions only. A static P (decode, at most batch x top-k) one P x P count; a dynamic one (a
-    prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
+    reductions only. A decode's P (static, at most batch x top-k) one P x P count; a prefill's
+    (is_prefill_pairs: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
     P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200
     (docs/kernels.md, The routed MoE).
     Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
@@ -188,7 +198,7 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
         pairwise = torch.compiler.is_exporting()
     if pairwise:
         P = e.shape[0]
-        if not isinstance(P, int):  # a prefill's dynamic P; decode keeps its P x P form (measured clean on cuda)
+        if is_prefill_pairs(P):  # decode keeps its P x P form (measured clean on cuda)
             return _chunked_ranks(e, n_experts)
         # the P x P count as the pair_rank kernel (one row of P keys), on the int64 ids as they come: a cast
         # to int32 was a dispatch a routed layer (Flash-4 decode_bs64). The barrier keeps the ids' producer
@@ -244,7 +254,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
       * otherwise (prefill, T dynamic; or big decode batches): counting sort by expert (pair_ranks,
         no sort/topk: docs/export.md, IREE 3.13 traps), each expert's rows padded to a multiple of `block`,
         a static bound of blocks (grouped_blocks), each block gathers one expert's weights and
-        multiplies `block` rows (default GROUP_BLOCK; prefill_block's choice when P is dynamic).
+        multiplies `block` rows (default GROUP_BLOCK; prefill_block's choice for a prefill's P,
+        is_prefill_pairs).
         Rows <= P + E*block: within 1.5x of the routed FLOPs once P >= 2*E*block.
     Empty trailing blocks compute zeros with the last expert's weights and are never read back."""
     N, k = indices.shape
@@ -254,7 +265,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
                          f"indices {tuple(indices.shape)} disagree")
     P = N * k
     if block is None:
-        block = GROUP_BLOCK if isinstance(P, int) else prefill_block(P, E)
+        block = prefill_block(P, E) if is_prefill_pairs(P) else GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
     e = indices.reshape(-1)
@@ -279,7 +290,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     G = grouped_blocks(P, E, block)
     b = torch.arange(G, device=x.device)
     sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
-    if isinstance(G, int):  # a decode's static blocks: one row index (a pair of index tensors is stacked
+    if isinstance(G, int):  # static blocks (decode, a static prefill): one row index (a pair of index tensors is stacked
         # into IREE's [P, 2] scatter indices, two strided copies a layer)
         xs = x.new_zeros(G * block, d).index_put((dest,), x[tok]).view(G, block, d)
         ws = wp.new_zeros(G * block).index_put((dest,), wp).view(G, block)
