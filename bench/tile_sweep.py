@@ -79,7 +79,7 @@ def build(out: Path, target: str) -> None:
 
     class Gathered(torch.nn.Module):
         def forward(self, x, packed, scales, sel):
-            return mxfp4_linear_gathered(x, packed, scales, sel)
+            return mxfp4_linear_gathered(x, packed, scales, sel, 0)
     out.mkdir(parents=True, exist_ok=True)
     cases = []
     for shape, (N, K) in SHAPES.items():

@@ -22,7 +22,7 @@ from dsv4.export.kernel_op import use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.quant.formats import fp8_fn_to_fnuz, pack_e2m1
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import (f32_linear, fp8_block_linear, fp8_block_linear_shared, fp8_block_linear_stacked,
+from dsv4.model.kernels.linear import (f32_linear, fp8_act_qdq, fp8_block_linear, fp8_block_linear_shared, fp8_block_linear_stacked,
                                        grouped_linear, mxfp4_linear, mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts, mxfp4_swiglu_gathered
@@ -146,15 +146,15 @@ class GatheredLinear(nn.Module):
         self.scale = nn.Parameter(torch.randint(120, 130, (4, 64, 4), generator=G, dtype=torch.uint8), requires_grad=False)
 
     def forward(self, x, sel):
-        return mxfp4_linear_gathered(x, self.packed, self.scale, sel)
+        return mxfp4_linear_gathered(x, self.packed, self.scale, sel, 0)
 
 
 class SwigluGathered(GatheredLinear):
     """mxfp4_swiglu_gathered: row block g's up projection by expert sel[g] of 4, SwiGLU with the gate rows
-    (clamped at 1.5: both clamps bind) and the rows' routing weights."""
+    (clamped at 1.5: both clamps bind) and the rows' routing weights; x quantized by the caller (x_quantized)."""
 
     def forward(self, x, gate, rweights, sel):
-        return mxfp4_swiglu_gathered(x, gate, rweights, self.packed, self.scale, sel, 1.5)
+        return mxfp4_swiglu_gathered(fp8_act_qdq(x), gate, rweights, self.packed, self.scale, sel, 1.5, 1)
 
 
 class Qdq(nn.Module):

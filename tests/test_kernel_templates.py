@@ -321,12 +321,20 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
     # construction's own test covers (test_e2m1_f32_subnormal_is_exact_with_subnormals)
     gps, gss, gwsd = zip(*[mxfp4_weight(64, 256, skip=(1, 9)) for _ in range(2)])
     if form == "kernel":
-        gathered = lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel)  # noqa: E731
+        gathered = lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel, 0)  # noqa: E731
         ws, wg = (torch.stack(ps), torch.stack(ss)), (torch.stack(gps), torch.stack(gss))
         cases["gathered"] = (gathered, ws, [xg, sel], {"mxfp4_linear_gathered": "kernel"})
         # the gather inside the GEMM's dispatch: row blocks (a batch matmul) and one row a block (a batch matvec)
         cases["gathered_gemm"] = (gathered, wg, [xg, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
         cases["gathered_gemm1"] = (gathered, wg, [xg[:, :1], sel], {"mxfp4_linear_gathered": "kernel_gemm"})
+        # x_quantized: x handed over on the FP8 grid (the routed MoE's tokens, quantized once), both GEMM
+        # forms; the kernel uses it as it is
+        quantized = lambda x, sel, p, s: mxfp4_linear_gathered(x, p, s, sel, 1)  # noqa: E731
+        xgq = torch.from_numpy(block_qdq(xg.double().numpy(), 128, fp4=False)).float()
+        cases["quantized"] = (quantized, ws, [xgq, sel], {"mxfp4_linear_gathered": "kernel"})
+        cases["quantized_gemm"] = (quantized, wg, [xgq, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
+        # off the grid, to show that the kernel takes x as it is (the attribute's promise is the caller's)
+        cases["unquantized_gemm"] = (quantized, wg, [xg, sel], {"mxfp4_linear_gathered": "kernel_gemm"})
         # the up projection with the routed SwiGLU as its epilogue (both clamps bind at 1.5)
         swiglu = lambda x, gt, rw, sel, p, s: mxfp4_swiglu_gathered(x, gt, rw, p, s, sel, 1.5, 0)  # noqa: E731
         cases["swiglu"] = (swiglu, wg, [xg, gate, rw, sel], {"mxfp4_swiglu_gathered": "kernel"})
@@ -350,6 +358,13 @@ def test_quant_template_mxfp4_linear(kernel_compile, tmp_path, form: str) -> Non
             check(out["gathered_gemm"][0][g], xg[g], wg1, f"mxfp4_linear_gathered[kernel_gemm][{g}]")
             assert out["gathered_gemm1"][0][g].shape == (1, 64)
             check(out["gathered_gemm1"][0][g], xg[g, :1], wg1, f"mxfp4_linear_gathered[kernel_gemm][{g}], one row")
+            # x on the grid: the same float64 reference (block_qdq of block_qdq(x) is block_qdq(x))
+            check(out["quantized"][0][g], xg[g], w, f"mxfp4_linear_gathered[{g}], x_quantized")
+            check(out["quantized_gemm"][0][g], xg[g], wg1, f"mxfp4_linear_gathered[kernel_gemm][{g}], x_quantized")
+            xr = xg[g].double().numpy()
+            assert_sum_close(out["unquantized_gemm"][0][g], xr @ wg1.T, np.abs(xr) @ np.abs(wg1).T,
+                             f"mxfp4_linear_gathered[kernel_gemm][{g}], x_quantized, x off the grid",
+                             rtol=2 ** -8)  # x rounded to the GEMM's bf16 operands; e4m3's grid is 16x coarser
             for name, rows in (("swiglu", 2), ("swiglu1", 1)):
                 # float64 SwiGLU of the float64 product: u's fp32 sum error times |silu(g) w|, plus the epilogue's roundings
                 xq = block_qdq(xg[g, :rows].double().numpy(), 128, fp4=False)

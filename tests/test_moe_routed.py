@@ -167,9 +167,9 @@ def test_eager_gathered_linear_bounds_its_decoded_copies(monkeypatch):
     packed = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
     scale = torch.randint(120, 130, (E, N, K // 32), generator=g, dtype=torch.uint8)
     x, sel = torch.randn(G, M, K, generator=g), torch.randint(0, E, (G,), generator=g)
-    whole = lin.mxfp4_linear_gathered(x, packed, scale, sel)
+    whole = lin.mxfp4_linear_gathered(x, packed, scale, sel, 0)
     monkeypatch.setattr(lin, "_EAGER_DECODE_BYTES", 3 * N * K * 8)  # 3 experts per chunk: 4 chunks
-    chunked = lin.mxfp4_linear_gathered(x, packed, scale, sel)
+    chunked = lin.mxfp4_linear_gathered(x, packed, scale, sel, 0)
     assert torch.equal(whole, chunked)
     w = dequant_mxfp4(packed, scale).double()[sel]  # [G, N, K]
     ref = lin.fp8_act_qdq(x).double() @ w.transpose(1, 2)  # the linear's activation rounding
@@ -318,8 +318,8 @@ def test_prefill_blocks_follow_the_largest_call(monkeypatch):
 
 def test_static_prefill_pairs_take_the_prefill_forms(monkeypatch):
     """A static pair count above STATIC_PREFILL_PAIRS_MIN (a --static-prefill chunk) takes the prefill's
-    blocks and two-level ranks; at or below it, decode's 16-row blocks and P x P ranks. The exported
-    programs match the reference."""
+    blocks, at or below it decode's 16-row blocks; one above PAIRWISE_RANKS_MAX the two-level ranks, at or
+    below it the P x P count. The exported programs match the reference."""
     from dsv4.model.kernels import moe
 
     rows, chunked = [], []
@@ -334,9 +334,10 @@ def test_static_prefill_pairs_take_the_prefill_forms(monkeypatch):
         def forward(self, x, w, i):
             return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
 
-    assert moe.STATIC_PREFILL_PAIRS_MIN == 1024
-    # 512 tokens x 2 slots = 1,024 pairs: decode's forms; 513: 1,026 pairs, 128 an expert > 12: 64-row blocks
-    for n, want_rows, want_chunked in ((512, 16, False), (513, 64, True)):
+    assert (moe.STATIC_PREFILL_PAIRS_MIN, moe.PAIRWISE_RANKS_MAX) == (512, 1024)
+    # 256 tokens x 2 slots = 512 pairs: decode's blocks; 257: 514 pairs, 64 an expert > 12: 64-row blocks;
+    # 513: 1,026 pairs, ranked in two levels
+    for n, want_rows, want_chunked in ((256, 16, False), (257, 64, False), (512, 64, False), (513, 64, True)):
         rows.clear(), chunked.clear()
         x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
         prog = torch.export.export(M(), (x, w, i), strict=False)

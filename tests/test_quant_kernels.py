@@ -470,7 +470,7 @@ def test_cuda_tuning_library_tiles_the_gathered_expert_gemms(tmp_path):
     packed = torch.randint(0, 256, (E, N, K // 2), generator=G, dtype=torch.uint8)
     scales = torch.full((E, N, K // 32), 127, dtype=torch.uint8)
     sel = torch.tensor([2, 0, 3])
-    mods = {f"rows{m}": (_Fn(lambda x, p, s: mxfp4_linear_gathered(x, p, s, sel), packed, scales),
+    mods = {f"rows{m}": (_Fn(lambda x, p, s: mxfp4_linear_gathered(x, p, s, sel, 0), packed, scales),
                          torch.randn(3, m, K, generator=G).to(torch.bfloat16)) for m in (16, 64)}
     mlir = _export(mods, tmp_path / "gathered.mlir", "kernel_gemm", static=tuple(mods))
     dump = tmp_path / "configs"

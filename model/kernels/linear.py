@@ -274,22 +274,29 @@ _EAGER_DECODE_BYTES = 2 << 30
 _GATHERED_GEMMS = {"kernel_gemm": {"gathered_gemm": True}}
 
 
-@kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G"},
+@kernel("mxfp4_linear_gathered", args={"x": "G, M, K", "packed": "E, N, KP", "scale": "E, N, KS", "sel": "G",
+                                        "x_quantized": int},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
         dtypes={"x": _F, "packed": _BYTES, "scale": _SCALES[:2], "sel": (torch.int64,)}, mlir=_MLIR,
         mlir_variants=_GATHERED_GEMMS, trace_sizes=("M",))
-def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sel: torch.Tensor,
+                          x_quantized: int) -> torch.Tensor:
     """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).
-    The kernel reads the selected experts' bytes in place (no gathered or decoded copy of the weights)."""
+    The kernel reads the selected experts' bytes in place (no gathered or decoded copy of the weights).
+    x_quantized 1: x is fp8_act_qdq's values already (a caller that quantized each token once, before
+    copying its rows into the blocks) and is used as it is; fp8_act_qdq of such values returns them."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_gathered")
     G, per = sel.shape[0], packed.shape[1] * packed.shape[2] * 8  # f32 bytes of one decoded expert
     step = max(1, _EAGER_DECODE_BYTES // per)
     if isinstance(G, int) and G > step and not torch.compiler.is_exporting():
         # eager / torch.compile: bound the decoded copies (a 512-token Flash prefill gathers ~570 experts,
         # 19 GB of f32); each expert's product is independent, so the chunks give the same result
-        return torch.cat([mxfp4_linear_gathered(x[g:g + step], packed, scale, sel[g:g + step])
+        return torch.cat([mxfp4_linear_gathered(x[g:g + step], packed, scale, sel[g:g + step], x_quantized)
                           for g in range(0, G, step)])
+    if x_quantized:
+        w = dequant_mxfp4(packed.index_select(0, sel), scale.index_select(0, sel))
+        return torch.matmul(x.float(), w.transpose(1, 2)).to(x.dtype)
     return mxfp4_linear_stacked(x, packed.index_select(0, sel), scale.index_select(0, sel))
 
 
@@ -298,16 +305,18 @@ def is_packed_mxfp4_stack(weight: torch.Tensor, scale: torch.Tensor | None) -> b
     return weight.dtype in _BYTES and scale is not None and weight.dim() == 3
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor:
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sel: torch.Tensor,
+                    x_quantized: bool = False) -> torch.Tensor:
     """`stacked_linear(x, weight[sel], scale[sel])`: x [G, M, K], weight [E, O, K(/2)] in any format
     `linear` takes, sel [G] int64 -> [G, M, O] in x.dtype. Packed MXFP4 (the released experts) goes
-    through `mxfp4_linear_gathered`, which never materializes the selected weights; other formats
-    gather first (FP8 bytes move as uint8: a gather is data movement only)."""
+    through `mxfp4_linear_gathered`, which never materializes the selected weights (and, with
+    `x_quantized`, takes x as fp8_act_qdq's values already); other formats gather first (FP8 bytes move
+    as uint8: a gather is data movement only)."""
     if x.dim() != 3 or sel.dim() != 1 or sel.shape[0] != x.shape[0]:
         raise ValueError(f"gathered_linear: x {tuple(x.shape)} must be [G, M, K] with sel [G], got sel {tuple(sel.shape)}")
     if is_packed_mxfp4_stack(weight, scale):
         _check_mxfp4(x, weight, scale, "gathered_linear")
-        return mxfp4_linear_gathered(x, weight, scale, sel)
+        return mxfp4_linear_gathered(x, weight, scale, sel, int(x_quantized))
     if weight.dtype in FP8_FORMATS:
         weight = weight.view(torch.uint8).index_select(0, sel).view(weight.dtype)
     else:

@@ -16,7 +16,7 @@ from typing import ContextManager
 import torch
 
 from . import kernel, overrides
-from .linear import (_BYTES, _F, _MLIR, _SCALES, _check_mxfp4, gathered_linear, is_packed_mxfp4_stack,
+from .linear import (_BYTES, _F, _MLIR, _SCALES, _check_mxfp4, fp8_act_qdq, gathered_linear, is_packed_mxfp4_stack,
                      mxfp4_linear_gathered, stacked_linear)
 from .barrier import fusion_barrier
 from .topk import pair_rank
@@ -31,29 +31,29 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @kernel("mxfp4_swiglu_gathered", args={"x": "G, M, K", "gate": "G, M, N", "rweights": "G, M", "packed": "E, N, KP",
-                                        "scale": "E, N, KS", "sel": "G", "limit": float},
+                                        "scale": "E, N, KS", "sel": "G", "limit": float, "x_quantized": int},
         results={"y": "G, M, N"}, static=("E", "N", "K", "KP", "KS"),
         dtypes={"x": _F, "gate": _F, "rweights": (torch.float32,), "packed": _BYTES, "scale": _SCALES[:2],
                 "sel": (torch.int64,)}, mlir=_MLIR, trace_sizes=("M",))
 def mxfp4_swiglu_gathered(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor, packed: torch.Tensor,
-                          scale: torch.Tensor, sel: torch.Tensor, limit: float) -> torch.Tensor:
+                          scale: torch.Tensor, sel: torch.Tensor, limit: float, x_quantized: int) -> torch.Tensor:
     """The routed experts' up projection and SwiGLU: u = mxfp4_linear_gathered(x, packed, scale, sel), then
     (swiglu(gate, u, limit) * rweights[..., None]) in x's dtype. gate [G, M, N] is the gate projection's
     output (w1), rweights [G, M] f32 the rows' routing weights. Its kernel is the gathered GEMM (kernel_gemm)
     with this as its epilogue: the SwiGLU of a GEMM that is its own dispatch region cannot join the GEMM's
-    dispatch otherwise, and took one of its own a layer."""
-    u = mxfp4_linear_gathered(x, packed, scale, sel)
+    dispatch otherwise, and took one of its own a layer. x_quantized: as mxfp4_linear_gathered's."""
+    u = mxfp4_linear_gathered(x, packed, scale, sel, x_quantized)
     return (swiglu(gate, u, limit) * rweights[..., None]).to(x.dtype)
 
 
 def gathered_swiglu(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor, weight: torch.Tensor,
-                    scale: torch.Tensor | None, sel: torch.Tensor, limit: float) -> torch.Tensor:
-    """(swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]) in x's dtype, for
-    the weight formats `gathered_linear` takes; packed MXFP4 goes through `mxfp4_swiglu_gathered`."""
+                    scale: torch.Tensor | None, sel: torch.Tensor, limit: float, x_quantized: bool = False) -> torch.Tensor:
+    """(swiglu(gate, gathered_linear(x, weight, scale, sel, x_quantized), limit) * rweights[..., None]) in x's
+    dtype, for the weight formats `gathered_linear` takes; packed MXFP4 goes through `mxfp4_swiglu_gathered`."""
     if is_packed_mxfp4_stack(weight, scale):
         _check_mxfp4(x, weight, scale, "gathered_swiglu")
-        return mxfp4_swiglu_gathered(x, gate, rweights.float(), weight, scale, sel, limit)
-    return (swiglu(gate, gathered_linear(x, weight, scale, sel), limit) * rweights[..., None]).to(x.dtype)
+        return mxfp4_swiglu_gathered(x, gate, rweights.float(), weight, scale, sel, limit, int(x_quantized))
+    return (swiglu(gate, gathered_linear(x, weight, scale, sel, x_quantized), limit) * rweights[..., None]).to(x.dtype)
 
 
 def _group(t: torch.Tensor | None, e0: int, e1: int) -> torch.Tensor | None:
@@ -104,11 +104,15 @@ PREFILL_GROUP_BLOCK = 64
 # H100 (docs/kernels.md), equal at P ~ 12.4 E. A 128-token prompt (3 pairs an expert) took Flash-4 to its
 # first token in 35.0 against 43.5-44.4 ms; 8 rows of 128 (24) prefilled 10.3k against 11.3k tokens/s.
 SMALL_PREFILL_PAIRS_PER_EXPERT = 12
-# A static pair count above this is a prefill-sized call (an export's --static-prefill chunk; every decode
-# batch exported has fewer: Flash's 64 rows x top-6 = 384): it takes the prefill forms, the blocks of
-# `prefill_block` and the two-level ranks (a P x P count is quadratic: 38M compares a layer for Flash-4's
-# 8 x 128 chunk). At or below it, a static count keeps decode's 16-row blocks and P x P ranks.
-STATIC_PREFILL_PAIRS_MIN = 1024
+# A static pair count above this is a prefill-sized call (an export's --static-prefill chunk: Flash's shortest,
+# 128 tokens x top-6, has 768; every decode batch exported has fewer: 64 rows x top-6 = 384): it takes the
+# blocks of `prefill_block` and its tokens quantized once before the blocks (moe_experts_routed). At or below
+# it, a static count keeps decode's forms.
+STATIC_PREFILL_PAIRS_MIN = 512
+# pair_ranks counts a static P up to this in one P x P compare (1M compares), more in two levels: the P x P count
+# is quadratic (38M compares a layer for Flash-4's 8 x 128 chunk), and the two levels took 4-5 more dispatches a
+# layer for its 128-token chunk (768 pairs)
+PAIRWISE_RANKS_MAX = 1024
 # The most (token, slot) pairs the one-row-a-pair path takes in `moe_experts_routed_blocks` (a GPU-only
 # export's routed MoE); more go through the 16-row blocks. Both read the experts in place on the GPU; on
 # the H100 (Flash w1 alone, docs/kernels.md) 6 experts took 0.14-0.15 ms as one-row GEMVs against
@@ -136,19 +140,19 @@ def merged_slot_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.T
 
 
 def _expert_rows(xs: torch.Tensor, ws: torch.Tensor, sel: torch.Tensor, w1, s1, w2, s2, w3, s3,
-                 limit: float) -> torch.Tensor:
+                 limit: float, x_quantized: bool = False) -> torch.Tensor:
     """xs [G,M,d] rows, ws [G,M] routing weights, sel [G] the expert of each group -> fp32 [G,M,d].
 
     Same numerics per row as the reference (stacked_linear per expert, fp32 clamped SwiGLU, weight
     applied before w2, w2's input in the activation dtype); only sel's weights are read/dequantized
-    (MXFP4 in place, `gathered_linear`)."""
+    (MXFP4 in place, `gathered_linear`). x_quantized: xs holds fp8_act_qdq's values already."""
     # decode's rows in dispatches of their own: multi-use fusion (export/compile.py) put their producers
     # into the expert GEMMs' activation block amax, which gfx942 failed to compile at K = 128 (the tiny models)
     static = all(isinstance(n, int) for n in xs.shape)
     barrier = fusion_barrier if static else (lambda t: t)
     xs = barrier(xs)
-    g = gathered_linear(xs, w1, s1, sel)
-    a = barrier(gathered_swiglu(xs, g, ws, w3, s3, sel, limit))
+    g = gathered_linear(xs, w1, s1, sel, x_quantized)
+    a = barrier(gathered_swiglu(xs, g, ws, w3, s3, sel, limit, x_quantized))
     return gathered_linear(a, w2, s2, sel).float()
 
 
@@ -185,8 +189,8 @@ RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
     """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
     counting-sort rank). `pairwise` (the default when tracing for export): compare-and-count, parallel
-    reductions only. A decode's P (static, at most batch x top-k) one P x P count; a prefill's
-    (is_prefill_pairs: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
+    reductions only. A static P up to PAIRWISE_RANKS_MAX (decode, a short static prefill) one P x P count; a
+    dynamic or larger one (a prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
     P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200
     (docs/kernels.md, The routed MoE).
     Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
@@ -198,7 +202,7 @@ def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) ->
         pairwise = torch.compiler.is_exporting()
     if pairwise:
         P = e.shape[0]
-        if is_prefill_pairs(P):  # decode keeps its P x P form (measured clean on cuda)
+        if not isinstance(P, int) or P > PAIRWISE_RANKS_MAX:  # a decode's P x P form was measured clean on cuda
             return _chunked_ranks(e, n_experts)
         # the P x P count as the pair_rank kernel (one row of P keys), on the int64 ids as they come: a cast
         # to int32 was a dispatch a routed layer (Flash-4 decode_bs64). The barrier keeps the ids' producer
@@ -268,6 +272,12 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         block = prefill_block(P, E) if is_prefill_pairs(P) else GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
+    # a prefill with packed MXFP4 experts: each token's activation quantized once here (exact in x's dtype), where
+    # the expert GEMMs quantized every copy of it in their blocks, padded rows included (~20 rows a token in
+    # Flash-4's 8 x 128 chunk). Decode keeps the GEMMs' own: hoisted, its calls took one more dispatch a layer
+    xq = is_packed_mxfp4_stack(w1, s1) and is_prefill_pairs(P)
+    if xq:
+        x = fp8_act_qdq(x).to(x.dtype)
     e = indices.reshape(-1)
     wp = merged_slot_weights(weights, indices).reshape(-1)
     tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
@@ -275,7 +285,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     if isinstance(P, int) and P <= one_row_max:
         # the merged weights behind a barrier: fused into the SwiGLU's epilogue, their k x k reduction made
         # that a reduction dispatch computing the [P, inter] epilogue slowly (0.21 ms a layer on the H100)
-        out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit)
+        out = _expert_rows(x[tok][:, None, :], fusion_barrier(wp)[:, None], e, w1, s1, w2, s2, w3, s3, limit, xq)
         return out.view(N, k, d).sum(1)
     # pairs per expert, summed in f32 as pair_ranks does (exact; IREE's cuda backend failed on the integer sum)
     count = (torch.arange(E, device=x.device)[:, None] == e[None, :]).to(torch.float32).sum(1).to(torch.int64)
@@ -298,7 +308,7 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         at = (dest // block, dest % block)
         xs = x.new_zeros(G, block, d).index_put(at, x[tok])
         ws = wp.new_zeros(G, block).index_put(at, wp)
-    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit)
+    out = _expert_rows(xs, ws, sel, w1, s1, w2, s2, w3, s3, limit, xq)
     # pairs are token-major, so each token's k results are a gather and a sum (no scatter-add:
     # aten.index_add does not lower in torch-mlir)
     return out.flatten(0, 1)[dest].view(N, k, d).sum(1)  # 1-D gather: a 2-index one does not lower
