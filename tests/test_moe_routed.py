@@ -287,6 +287,20 @@ def test_trace_with_dynamic_tokens_has_no_sort_and_matches():
         _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, s1, w2, s2, w3, s3, 10.0), n)
 
 
+def _routed_f32(seed: int, E: int, d: int, inter: int):
+    """(module computing moe_experts_routed with random f32 experts, its experts (w1, w2, w3))."""
+    from dsv4.model.kernels import moe
+
+    g = torch.Generator().manual_seed(seed)
+    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((inter, d), (d, inter), (inter, d)))
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, i):
+            return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
+
+    return M(), (w1, w2, w3)
+
+
 def test_prefill_blocks_follow_the_largest_call(monkeypatch):
     """A traced (prefill) pair count takes 16-row blocks when its largest value routes at most
     SMALL_PREFILL_PAIRS_PER_EXPERT = 12 pairs to an expert on average, else 64-row blocks; either way the
@@ -298,18 +312,13 @@ def test_prefill_blocks_follow_the_largest_call(monkeypatch):
     monkeypatch.setattr(moe, "_expert_rows", lambda xs, *a, **kw: rows.append(xs.shape[1]) or real(xs, *a, **kw))
     g = torch.Generator().manual_seed(11)
     E, d, k = 8, 32, 2
-    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((16, d), (d, 16), (16, d)))
-
-    class M(torch.nn.Module):
-        def forward(self, x, w, i):
-            return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
-
+    m, (w1, w2, w3) = _routed_f32(11, E, d, 16)
     assert moe.SMALL_PREFILL_PAIRS_PER_EXPERT == 12
     ex = (torch.randn(8, d), torch.rand(8, k), torch.randint(0, E, (8, k)))
     for most, want in ((48, 16), (49, 64)):  # 48 tokens x 2 slots = 12 pairs for each of 8 experts
         rows.clear()
         N = torch.export.Dim("N", min=2, max=most)
-        prog = torch.export.export(M(), ex, dynamic_shapes=({0: N}, {0: N}, {0: N}), strict=False)
+        prog = torch.export.export(m, ex, dynamic_shapes=({0: N}, {0: N}, {0: N}), strict=False)
         assert rows == [want], (most, rows)
         for n in (2, 30, most):
             x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
@@ -328,19 +337,14 @@ def test_static_prefill_pairs_take_the_prefill_forms(monkeypatch):
     monkeypatch.setattr(moe, "_chunked_ranks", lambda *a, **kw: chunked.append(True) or real_ranks(*a, **kw))
     g = torch.Generator().manual_seed(12)
     E, d, k = 8, 16, 2
-    w1, w2, w3 = (torch.randn(E, o, i, generator=g) for o, i in ((8, d), (d, 8), (8, d)))
-
-    class M(torch.nn.Module):
-        def forward(self, x, w, i):
-            return moe.moe_experts_routed(x, w, i, w1, None, w2, None, w3, None, 10.0)
-
+    m, (w1, w2, w3) = _routed_f32(12, E, d, 8)
     assert (moe.STATIC_PREFILL_PAIRS_MIN, moe.PAIRWISE_RANKS_MAX) == (512, 1024)
     # 256 tokens x 2 slots = 512 pairs: decode's blocks; 257: 514 pairs, 64 an expert > 12: 64-row blocks;
     # 513: 1,026 pairs, ranked in two levels
     for n, want_rows, want_chunked in ((256, 16, False), (257, 64, False), (512, 64, False), (513, 64, True)):
         rows.clear(), chunked.clear()
         x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
-        prog = torch.export.export(M(), (x, w, i), strict=False)
+        prog = torch.export.export(m, (x, w, i), strict=False)
         assert rows == [want_rows] and bool(chunked) == want_chunked, (n, rows, chunked)
         _close(prog.module()(x, w, i), moe_experts(x, w, i, w1, None, w2, None, w3, None, 10.0), n)
 
