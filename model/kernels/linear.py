@@ -284,8 +284,10 @@ def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     """mxfp4_linear_stacked on the experts `sel` names: x [G, M, K], packed [E, N, K/2], scale [E, N, K/32],
     sel [G] int64 in [0, E) -> [G, M, N] in x.dtype; out[g] == mxfp4_linear(x[g], packed[sel[g]], scale[sel[g]]).
     The kernel reads the selected experts' bytes in place (no gathered or decoded copy of the weights).
-    x_quantized 1: x is fp8_act_qdq's values already (a caller that quantized each token once, before
-    copying its rows into the blocks) and is used as it is; fp8_act_qdq of such values returns them."""
+    x_quantized 1: the caller promises x is fp8_act_qdq's values already (it quantized each token once,
+    before copying its rows into the blocks), and the MLIR kernels use x as it is. This reference quantizes
+    either way, which returns such an x unchanged, so every lowering without the kernels (llvm-cpu's) runs
+    the GEMM it ran before."""
     _check_mxfp4(x, packed, scale, "mxfp4_linear_gathered")
     G, per = sel.shape[0], packed.shape[1] * packed.shape[2] * 8  # f32 bytes of one decoded expert
     step = max(1, _EAGER_DECODE_BYTES // per)
@@ -294,9 +296,6 @@ def mxfp4_linear_gathered(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
         # 19 GB of f32); each expert's product is independent, so the chunks give the same result
         return torch.cat([mxfp4_linear_gathered(x[g:g + step], packed, scale, sel[g:g + step], x_quantized)
                           for g in range(0, G, step)])
-    if x_quantized:
-        w = dequant_mxfp4(packed.index_select(0, sel), scale.index_select(0, sel))
-        return torch.matmul(x.float(), w.transpose(1, 2)).to(x.dtype)
     return mxfp4_linear_stacked(x, packed.index_select(0, sel), scale.index_select(0, sel))
 
 
