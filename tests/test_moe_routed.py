@@ -481,6 +481,49 @@ def test_two_stacked_routed_layers_compiled_llvm_cpu(tmp_path, fmt):
         _close(got, two_layers(moe_experts, x, w, i, p), (name, n))
 
 
+@pytest.mark.slow  # compiles (tests/conftest.py)
+def test_prefill_quantizes_each_token_once_compiled_llvm_cpu(tmp_path, monkeypatch):
+    """A prefill (dynamic token count) with MXFP4 experts and the gathered GEMM as its MLIR kernel: the tokens
+    are quantized once (the fp8_qdq kernel) and the GEMMs take them as they are (x_quantized); compiled
+    for llvm-cpu, equal to eager's all-experts reference at several token counts."""
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    import dsv4.export  # noqa: F401  (compat shim)
+    from dsv4.export.compile import compile_mlir, resolve_target
+    from dsv4.export.kernel_op import use_kernels
+    from dsv4.model.kernels import moe
+
+    hoisted = []
+    real = moe.fp8_qdq
+    monkeypatch.setattr(moe, "fp8_qdq", lambda *a: hoisted.append(True) or real(*a))
+    g = torch.Generator().manual_seed(13)
+    E, d, inter, k = 8, 128, 128, 2
+    ws = [expert_weights("fp4", E, o, i, g)[:2] for o, i in ((inter, d), (d, inter), (inter, d))]
+    p = tuple(t for pair in ws for t in pair)
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, i):
+            return moe_experts_routed(x, w, i, *p, 10.0)
+
+    fxb = aot.FxProgramsBuilder(M())
+    N = torch.export.Dim("N", min=2, max=256)
+    with torch.no_grad(), use_kernels({"mxfp4_linear_gathered": "kernel"}):
+        fxb.export_program(lambda mm, x, w, i: mm(x, w, i), name="dyn",
+                           args=(torch.randn(8, d), torch.rand(8, k), torch.randint(0, E, (8, k))),
+                           dynamic_shapes=({0: N}, {0: N}, {0: N}), strict=False)
+    assert hoisted == [True]
+    mlir, vmfb = tmp_path / "moe.mlir", tmp_path / "moe.vmfb"
+    aot.export(fxb, import_symbolic_shape_expressions=False).save_mlir(str(mlir))
+    compile_mlir(mlir, resolve_target("llvm-cpu"), vmfb)
+    ctx = rt.SystemContext(config=rt.Config("local-task"))
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb.read_bytes()))
+    for n in (2, 37, 256):
+        x, w, i = torch.randn(n, d, generator=g), torch.rand(n, k, generator=g), torch.randint(0, E, (n, k), generator=g)
+        got = torch.from_numpy(np.asarray(ctx.modules.module["dyn"](x.numpy(), w.numpy(), i.numpy()).to_host()))
+        _close(got, moe_experts(x, w, i, *p, 10.0), n)
+
+
 @pytest.mark.slow  # iree-compile to flow, twice (seconds)
 def test_prefill_moe_never_copies_expert_weights(tmp_path):
     """The routed MoE over a dynamic token count with `mxfp4_linear_gathered=kernel` (opt-in; the

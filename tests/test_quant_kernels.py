@@ -181,7 +181,7 @@ def _linear_cases() -> dict:
         "fp8_m16": (_Fn(fp8_block_linear, _fp8_weight(256, 384), e8(2, 3)), x(4, 4, 384)),
         # 4 experts, blocks naming 2, 0, 2 (a repeat, two never read) as the routed MoE's sel does
         "mxfp4_gathered": (_Fn(mxfp4_linear_gathered, torch.randint(0, 256, (4, 64, 64), generator=G, dtype=torch.uint8),
-                               e8(4, 64, 4), extra=(torch.tensor([2, 0, 2]),)), x(3, 5, 128)),
+                               e8(4, 64, 4), extra=(torch.tensor([2, 0, 2]), 0)), x(3, 5, 128)),
     }
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["Arg", "Kernel", "KERNELS", "HOOKS", "LEAD", "hook", "kernel", "overrides"]
+__all__ = ["Arg", "Kernel", "KERNELS", "HOOKS", "LEAD", "hook", "kernel", "overrides", "runs_reference"]
 
 LEAD = "_lead"  # the dim a leading "..." becomes (all leading dims, flattened)
 _SCHEMA_TYPE = {"tensor": "Tensor", "int": "int", "float": "float"}
@@ -257,6 +257,12 @@ class _Hooks(Mapping[str, Callable[..., Any]]):
 
 
 HOOKS: Mapping[str, Callable[..., Any]] = _Hooks()
+
+
+def runs_reference(name: str) -> bool:
+    """Whether hook `name` runs its torch reference now: no override, or the reference itself chosen."""
+    impl = _ROUTED.get(name)
+    return impl is None or impl is KERNELS[name].reference
 
 
 @contextlib.contextmanager

@@ -15,9 +15,11 @@ from typing import ContextManager
 
 import torch
 
-from . import kernel, overrides
-from .linear import (_BYTES, _F, _MLIR, _SCALES, _check_mxfp4, fp8_act_qdq, gathered_linear, is_packed_mxfp4_stack,
+from . import kernel, overrides, runs_reference
+from ..quant.formats import FP8_BLOCK
+from .linear import (_BYTES, _F, _MLIR, _SCALES, _check_mxfp4, gathered_linear, is_packed_mxfp4_stack,
                      mxfp4_linear_gathered, stacked_linear)
+from .qdq import fp8_qdq
 from .barrier import fusion_barrier
 from .topk import pair_rank
 
@@ -272,12 +274,17 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         block = prefill_block(P, E) if is_prefill_pairs(P) else GROUP_BLOCK
     if block < 1:
         raise ValueError(f"moe_experts_routed: block must be >= 1, got {block}")
-    # a prefill with packed MXFP4 experts: each token's activation quantized once here (exact in x's dtype), where
-    # the expert GEMMs quantized every copy of it in their blocks, padded rows included (~20 rows a token in
-    # Flash-4's 8 x 128 chunk). Decode keeps the GEMMs' own: hoisted, its calls took one more dispatch a layer
-    xq = is_packed_mxfp4_stack(w1, s1) and is_prefill_pairs(P)
+    # a prefill with packed MXFP4 experts: each token's activation quantized once here (the fp8_qdq kernel: the
+    # GEMMs' own arithmetic, whose powers of two are exact on llvm-cpu too; its values are exact in x's dtype),
+    # where the expert GEMMs quantized every copy of it in their blocks, padded rows included (~20 rows a
+    # token in Flash-4's 8 x 128 chunk). Decode keeps the GEMMs' own: hoisted, its calls took one more
+    # dispatch a layer. A ragged last block (d not a multiple of 128) stays with the GEMMs too, and so does the
+    # gathered GEMM's torch reference (llvm-cpu's lowering): it quantizes inside the stacked linear, which a
+    # weight-only export (`--kernel '*=weight_only'`) leaves unquantized
+    xq = (is_packed_mxfp4_stack(w1, s1) and is_prefill_pairs(P) and d % FP8_BLOCK == 0
+          and not runs_reference("mxfp4_linear_gathered"))
     if xq:
-        x = fp8_act_qdq(x).to(x.dtype)
+        x = fp8_qdq(x[None, None], FP8_BLOCK)[0, 0]
     e = indices.reshape(-1)
     wp = merged_slot_weights(weights, indices).reshape(-1)
     tok = torch.arange(N, device=x.device)[:, None].expand(N, k).reshape(-1)
