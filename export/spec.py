@@ -192,7 +192,8 @@ class ExportSpec:
             kernels.append((op.strip(), impl.strip()))
         return cls(targets=tuple(args.targets or ["gfx942"]), batch_sizes=tuple(args.batch_sizes),
                    decode_batch_sizes=args.decode_batch_sizes, n_slots=args.n_slots, max_chunk=args.max_chunk,
-                   static_prefill=getattr(args, "static_prefill", False), score=not args.no_score, kernels=tuple(kernels), batch_invariant=args.batch_invariant,
+                   static_prefill=getattr(args, "static_prefill", False), score=not args.no_score,
+                   kernels=tuple(kernels), batch_invariant=args.batch_invariant,
                    devices=args.devices, pipeline=args.pipeline, keep_mlir=args.keep_mlir,
                    dtype=_CLI_DTYPES[args.dtype], max_seq_len=args.max_seq_len,
                    quant_sim=None if args.quant_sim is None else args.quant_sim == "on",

@@ -22,8 +22,8 @@ from dsv4.export.kernel_op import use_kernels
 from dsv4.model import kernels as mk
 from dsv4.model.quant.formats import fp8_fn_to_fnuz, pack_e2m1
 from dsv4.model.kernels.indexer import indexer_scores
-from dsv4.model.kernels.linear import (f32_linear, fp8_act_qdq, fp8_block_linear, fp8_block_linear_shared, fp8_block_linear_stacked,
-                                       grouped_linear, mxfp4_linear, mxfp4_linear_gathered, mxfp4_linear_stacked)
+from dsv4.model.kernels.linear import (f32_linear, fp8_act_qdq, fp8_block_linear, fp8_block_linear_shared,
+                                       fp8_block_linear_stacked, grouped_linear, mxfp4_linear, mxfp4_linear_gathered, mxfp4_linear_stacked)
 from dsv4.model.kernels.mhc import hc_sinkhorn
 from dsv4.model.kernels.moe import moe_experts, mxfp4_swiglu_gathered
 from dsv4.model.kernels.qdq import fp4_qdq, fp8_qdq, hadamard

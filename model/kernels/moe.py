@@ -49,7 +49,8 @@ def mxfp4_swiglu_gathered(x: torch.Tensor, gate: torch.Tensor, rweights: torch.T
 
 
 def gathered_swiglu(x: torch.Tensor, gate: torch.Tensor, rweights: torch.Tensor, weight: torch.Tensor,
-                    scale: torch.Tensor | None, sel: torch.Tensor, limit: float, x_quantized: bool = False) -> torch.Tensor:
+                    scale: torch.Tensor | None, sel: torch.Tensor, limit: float,
+                    x_quantized: bool = False) -> torch.Tensor:
     """(swiglu(gate, gathered_linear(x, weight, scale, sel, x_quantized), limit) * rweights[..., None]) in x's
     dtype, for the weight formats `gathered_linear` takes; packed MXFP4 goes through `mxfp4_swiglu_gathered`."""
     if is_packed_mxfp4_stack(weight, scale):
@@ -191,10 +192,10 @@ RANK_CHUNK = 256  # pairs per chunk of pair_ranks' export form
 def pair_ranks(e: torch.Tensor, n_experts: int, pairwise: bool | None = None) -> torch.Tensor:
     """[P] expert ids -> [P] int64: how many earlier pairs chose the same expert (the stable
     counting-sort rank). `pairwise` (the default when tracing for export): compare-and-count, parallel
-    reductions only. A static P up to PAIRWISE_RANKS_MAX (decode, a short static prefill) one P x P count; a
-    dynamic or larger one (a prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs (_chunked_ranks), because a
-    P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded default on the H200
-    (docs/kernels.md, The routed MoE).
+    reductions only. A static P up to PAIRWISE_RANKS_MAX (decode, a short static prefill) one P x P count;
+    a dynamic or larger one (a prefill: P = tokens x top-k) two levels over chunks of RANK_CHUNK pairs
+    (_chunked_ranks), because a P x P count is quadratic: 58 % of an 8 x 512-token prefill of the embedded
+    default on the H200 (docs/kernels.md, The routed MoE).
     Otherwise the one-hot cumsum, O(P*E) memory instead of O(P^2), which IREE compiles to a scan run
     sequentially along the pairs (9.5 ms of a 105 ms Flash decode step at batch 64 on the H200,
     docs/performance.md). Counts are summed in f32 (exact below 2^24 pairs): IREE 3.13's cuda backend
@@ -307,8 +308,8 @@ def moe_experts_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     G = grouped_blocks(P, E, block)
     b = torch.arange(G, device=x.device)
     sel = (blk_end[None, :] <= b[:, None]).sum(1).clamp(max=E - 1)  # expert of each block
-    if isinstance(G, int):  # static blocks (decode, a static prefill): one row index (a pair of index tensors is stacked
-        # into IREE's [P, 2] scatter indices, two strided copies a layer)
+    if isinstance(G, int):  # static blocks (decode, a static prefill): one row index (a pair of index tensors
+        # is stacked into IREE's [P, 2] scatter indices, two strided copies a layer)
         xs = x.new_zeros(G * block, d).index_put((dest,), x[tok]).view(G, block, d)
         ws = wp.new_zeros(G * block).index_put((dest,), wp).view(G, block)
     else:  # (block, row in block) of each pair; 2-D indices keep a symbolic G free of reshape guards
