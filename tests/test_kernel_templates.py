@@ -407,6 +407,8 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
         "split_k": (lambda x, w: f32_linear(x.bfloat16(), w), (wk,), [xk], {"f32_linear": "kernel"}),
         "split_k1": (lambda x, w: f32_linear(x.bfloat16(), w), (wk,), [xk[:1]], {"f32_linear": "kernel"}),
         "indexer": (indexer_scores, (), [q, iw, keys], {"indexer_scores": "kernel"}),
+        # a decode's one query row: its 4 head rows padded to 8 (mma_rows)
+        "indexer1": (indexer_scores, (), [q[:, :1], iw[:, :1], keys], {"indexer_scores": "kernel"}),
     }, kernel_compile, tmp_path, "dense-grouped-indexer")
     xd, wd = x.double().numpy(), w.double().numpy()
     for k in ("dense", "dense16", "dense_small"):
@@ -434,6 +436,8 @@ def test_dense_grouped_indexer_templates(kernel_compile, tmp_path) -> None:
     want = (np.maximum(dots, 0) * iwd[..., None]).sum(2)
     mag = (np.einsum("bthd,brd->bthr", np.abs(qd), np.abs(kd)) * np.abs(iwd)[..., None]).sum(2)
     assert_sum_close(out["indexer"][0], want, mag, "indexer_scores")
+    assert out["indexer1"][0].shape == want[:, :1].shape
+    assert_sum_close(out["indexer1"][0], want[:, :1], mag[:, :1], "indexer_scores, one row")
 
 
 def test_mhc_sparse_attention_topk_templates(kernel_compile, tmp_path) -> None:
