@@ -71,10 +71,11 @@ def build(out: Path, target: str) -> None:
     from dsv4.model.kernels.linear import mxfp4_linear_gathered
 
     tgt = resolve_target(target)
-    if not any(f.startswith(TUNING_FLAG) for f in tgt.flags):
-        raise SystemExit(f"target {target!r} has no tuning library (export/compile.py TUNING_LIBRARIES: "
-                         f"{', '.join(TUNING_LIBRARIES)} at archs {', '.join(tgt.tuned_archs) or 'none'})")
-    library = Path(TUNING_LIBRARIES[tgt.name]).read_text()
+    library = Path(TUNING_LIBRARIES[tgt.name]).read_text() if any(f.startswith(TUNING_FLAG) for f in tgt.flags) else ""
+    if "@match_gathered_mxfp4_rows64" not in library:  # the block GEMM's matcher the candidates replace
+        raise SystemExit(f"target {target!r} has no tuning library for the gathered block GEMM (export/compile.py "
+                         f"TUNING_LIBRARIES: {', '.join(TUNING_LIBRARIES)} at archs {', '.join(tgt.tuned_archs) or 'none'}; "
+                         f"only cuda's holds its matcher)")
     plain = replace(tgt, tuned_archs=())  # the same target without the library
 
     class Gathered(torch.nn.Module):

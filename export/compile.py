@@ -95,9 +95,10 @@ FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion=true",
 # `__kernel_config` sets the compilation_info of the kernels it matches before IREE picks its own. IREE
 # 3.13's --iree-codegen-tuning-spec-path reaches the ROCm pipeline only (on cuda the pass runs with an
 # empty path); this flag reaches every GPU pipeline. The cuda library's configs need mma.sync on bf16
-# (sm_80 and later), hence `tuned_archs`. docs/kernels.md, Tuned tiles on cuda.
+# (sm_80 and later), hence `tuned_archs`; gfx942's holds the one-row gathered GEMV's config at the CDNA
+# 64-lane wavefront. docs/kernels.md, Tuned tiles on cuda.
 TUNING_FLAG = "--iree-codegen-transform-dialect-library"
-TUNING_LIBRARIES = {"cuda": str(Path(__file__).parent / "tuning" / "cuda.mlir")}
+TUNING_LIBRARIES = {name: str(Path(__file__).parent / "tuning" / f"{name}.mlir") for name in ("cuda", "gfx942")}
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ TARGETS: dict[str, Target] = {
         arch_flag="--iree-rocm-target",
         arch="gfx942",
         description="AMD MI300 (ROCm/HIP); native FP8 is e4m3fnuz",
+        tuned_archs=("gfx90a", "gfx942", "gfx950"),
     ),
     "llvm-cpu": Target(
         name="llvm-cpu",

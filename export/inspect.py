@@ -212,15 +212,17 @@ class LinalgOp:
         return min(self.points, math.prod(-(-ranges[k] // d) for k, d in loops))
 
     def flops(self) -> int:
-        if self.is_contraction:
-            return 2 * self.points
+        if self.is_contraction:  # a multiply-add per product the body accumulates (the gathered GEMV sums two)
+            return 2 * self.points * max(1, sum(o in ("arith.addf", "arith.addi") for o in self.body))
         per_point = sum(2 if o in _FMA_OPS else 1 for o in self.body if o in _FLOP_OPS or o.startswith("math."))
         return per_point * self.points
 
     def rows_cols(self) -> tuple[int, int]:
         """A contraction's M and N: the parallel loops that only the first / only the second operand
         (and the result) index; batch loops are in all three."""
-        a, b = self.operands_of_reduction()[:2]
+        red = self.operands_of_reduction()
+        a = red[0]  # and the first operand indexed differently (two weight operands read alike are one side)
+        b = next((i for i in red[1:] if self._dims(i) != self._dims(a)), red[1])
         ranges = self.ranges()
         par = {k for k, it in enumerate(self.iterators) if it == "parallel"}
         out, da, db = self._dims(self.n_inputs), self._dims(a), self._dims(b)
@@ -474,7 +476,14 @@ class SourcesIR:
                 other.add(op)
                 outs = re.search(r"outs\(([^)]*)\)", rest)
                 out_names, _ = _operands(outs.group(1) if outs else None)
-                for n in _operands(re.search(r"ins\(([^)]*)\)", rest).group(1) if "ins(" in rest else None)[0] + out_names:
+                in_names, _ = _operands(re.search(r"ins\(([^)]*)\)", rest).group(1) if "ins(" in rest else None)
+                if op == "iree_linalg_ext.gather" and in_names and in_names[0] in loads and out_names \
+                        and out_names[0] in shapes:
+                    # a gathered table: the slices its indices select (the output's elements), not the table
+                    gather = True
+                    extracted[in_names[0]] += math.prod(shapes[out_names[0]][0]) * elem_bytes(shapes[in_names[0]][1])
+                    in_names = in_names[1:]
+                for n in in_names + out_names:
                     if n in loads:
                         loads[n] = (loads[n][0], "whole")
                 for k, o in enumerate(out_names):

@@ -271,9 +271,10 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
 
 
 def test_e2m1_f32_subnormal_is_exact_with_subnormals() -> None:
-    """quant.mlir.jinja's e2m1_scaled_bf16 (kernel_gemm's decode): code x (2^22 + 2^28) & 0x81C00000 read as
-    f32 (e2m1_f32_subnormal), times 2^126, is every E2M1 code's value where subnormals are kept (numpy; the
-    GPUs), and times every E8M0 scale, cut to bf16 by its top 16 bits, is the float64 product rounded to bf16."""
+    """quant.mlir.jinja's e2m1_scaled_f32 (kernel_gemm's one-row decode) and e2m1_scaled_bf16 (its row blocks'):
+    code x (2^22 + 2^28) & 0x81C00000 read as f32 (e2m1_f32_subnormal), times 2^126, is every E2M1 code's value
+    where subnormals are kept (numpy; the GPUs); times every E8M0 scale it is the exact float64 product (f32),
+    and that cut to bf16 by its top 16 bits is the product rounded to bf16."""
     import re
 
     import ml_dtypes
@@ -285,8 +286,10 @@ def test_e2m1_f32_subnormal_is_exact_with_subnormals() -> None:
     k, mask = (np.int64(re.search(rf"_{n} = arith.constant (-?\d+) : i32", macro).group(1)).astype(np.uint32)
                for n in ("k", "mask"))
     assert (k, mask) == (0x10400000, 0x81C00000)  # the sign to bit 31, the magnitude to bits 22..24
-    scaled = re.search(r"macro e2m1_scaled_bf16.*?endmacro", text, re.S).group(0)
-    assert "_two126 = arith.constant 0x7E800000 : f32" in scaled and "_k16 = arith.constant 16 : i32" in scaled
+    scaled = re.search(r"macro e2m1_scaled_f32.*?endmacro", text, re.S).group(0)
+    assert "_two126 = arith.constant 0x7E800000 : f32" in scaled
+    cut = re.search(r"macro e2m1_scaled_bf16.*?endmacro", text, re.S).group(0)
+    assert "e2m1_scaled_f32(" in cut and "_k16 = arith.constant 16 : i32" in cut
     codes = np.arange(16, dtype=np.uint32)
     v = ((codes * k) & mask).view(np.float32) * np.float32(2.0 ** 126)
     want = np.where(codes & 8, -1.0, 1.0) * GRID[codes & 7]
@@ -295,6 +298,9 @@ def test_e2m1_f32_subnormal_is_exact_with_subnormals() -> None:
     scale = np.ldexp(np.float32(1.0), s - 127).astype(np.float32)  # 2^-127 is an f32 subnormal
     with np.errstate(over="ignore"):
         prod = v[:, None] * scale[None, :]
+        exact = want[:, None] * np.ldexp(1.0, s - 127)[None, :]
+        finite = np.isfinite(exact.astype(np.float32))  # inf past f32's range, as the f32 product
+    assert (prod.astype(np.float64)[finite] == exact[finite]).all() and np.isinf(prod[~finite]).all()
     got = (prod.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
     with np.errstate(over="ignore"):  # inf past bf16's range, as the f32 product
         ref = (want[:, None] * np.ldexp(1.0, s - 127)[None, :]).astype(ml_dtypes.bfloat16)
