@@ -12,11 +12,13 @@ For one target of an export made with ``--keep-mlir``:
 2. ``iree-opt`` rewrites the named linalg ops (matmul, batch_matmul, fill, transpose, ...) as
    ``linalg.generic``, so every op carries its indexing maps and iterator types: the iteration space
    comes from the operand shapes, and a contraction (a reduction with two operands indexed by the
-   reduced dimension and a multiply-add body) counts 2 FLOPs per point of its iteration space; every
+   reduced dimension and a multiply-add body) counts 2 FLOPs per point of its iteration space and per
+   product its body accumulates (the one-row gathered GEMV sums two); every
    other op counts its body's arithmetic ops per point. Bytes are the tensors each dispatch loads from
    and stores to its bindings; a table read only by ``tensor.extract`` in a body (a gather) counts the
    distinct elements its indices can reach (the loops they follow, each divided by the constant it is
-   divided by: byte k / 2 of a row counts K / 2), at most one a point and at most the table. A dynamic size is what the host program
+   divided by: byte k / 2 of a row counts K / 2), at most one a point and at most the table; the source of an
+   ``iree_linalg_ext.gather`` counts the slices it selects (its result's elements). A dynamic size is what the host program
    computes for the call (push constants and workload, evaluated from the entry point's dynamic input
    size, the prefill's token count, taken as ``rows``).
 3. The code objects in the export's vmfb (compiled from the same MLIR with the same flags) say whether

@@ -373,3 +373,74 @@ def test_a_gather_counts_the_elements_its_indices_can_reach() -> None:
                     shapes=((6, 2048, 4096),), n_inputs=0, body=())
     assert [op.extracted_elements(found[t]) for t in ("%7", "%8", "%9", "%10")] == \
         [6, 6 * 2048 * 2048, 6 * 2048 * 128, 6 * 2048 * 4096]
+
+
+# The one-row gathered expert GEMV as IREE 3.13 prints its dispatch (quant.mlir.jinja, kernel_gemm at M = 1),
+# cut to what is read: 3 pairs gather their expert's 16-byte scale blocks and scales out of 8 experts, decode
+# them into low and high codes (two results) and sum both against x's even and odd elements.
+GATHERED_GEMV = "g$async_dispatch_0_gather_8x64x4x16xi8_generic"
+GATHERED_SOURCES = """\
+module {
+  hal.executable private @g_dispatch_0 {
+    hal.executable.variant public @rocm_hsaco_fb target(#t) {
+      builtin.module {
+        func.func @g$async_dispatch_0_gather_8x64x4x16xi8_generic() {
+          %0 = iree_tensor_ext.dispatch.tensor.load %a, offsets = [0], sizes = [3], strides = [1] : !iree_tensor_ext.dispatch.tensor<readonly:tensor<3xi64>> -> tensor<3xi64>
+          %1 = iree_tensor_ext.dispatch.tensor.load %b, offsets = [0, 0, 0, 0], sizes = [8, 64, 4, 16], strides = [1, 1, 1, 1] : !iree_tensor_ext.dispatch.tensor<readonly:tensor<8x64x4x16xi8>> -> tensor<8x64x4x16xi8>
+          %2 = iree_tensor_ext.dispatch.tensor.load %c, offsets = [0, 0, 0], sizes = [8, 64, 4], strides = [1, 1, 1] : !iree_tensor_ext.dispatch.tensor<readonly:tensor<8x64x4xi8>> -> tensor<8x64x4xi8>
+          %3 = iree_tensor_ext.dispatch.tensor.load %d, offsets = [0, 0, 0], sizes = [3, 4, 16], strides = [1, 1, 1] : !iree_tensor_ext.dispatch.tensor<readonly:tensor<3x4x16xbf16>> -> tensor<3x4x16xbf16>
+          %4 = iree_tensor_ext.dispatch.tensor.load %e, offsets = [0, 0, 0], sizes = [3, 4, 16], strides = [1, 1, 1] : !iree_tensor_ext.dispatch.tensor<readonly:tensor<3x4x16xbf16>> -> tensor<3x4x16xbf16>
+          %5 = tensor.empty() : tensor<3x64x4x16xi8>
+          %6 = tensor.empty() : tensor<3x64x4xi8>
+          %7 = tensor.empty() : tensor<3x64x4x16xf32>
+          %8 = tensor.empty() : tensor<3x64xf32>
+          %9 = iree_linalg_ext.gather dimension_map = [0] ins(%1, %0 : tensor<8x64x4x16xi8>, tensor<3xi64>) outs(%5 : tensor<3x64x4x16xi8>) -> tensor<3x64x4x16xi8>
+          %10 = iree_linalg_ext.gather dimension_map = [0] ins(%2, %0 : tensor<8x64x4xi8>, tensor<3xi64>) outs(%6 : tensor<3x64x4xi8>) -> tensor<3x64x4xi8>
+          %11:2 = linalg.generic {indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>, affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], iterator_types = ["parallel", "parallel", "parallel", "parallel"]} ins(%9, %10 : tensor<3x64x4x16xi8>, tensor<3x64x4xi8>) outs(%7, %7 : tensor<3x64x4x16xf32>, tensor<3x64x4x16xf32>) {
+          ^bb0(%in: i8, %in_0: i8, %out: f32, %out_1: f32):
+            %20 = arith.extui %in : i8 to i32
+            %21 = arith.extui %in_0 : i8 to i32
+            %22 = arith.bitcast %20 : i32 to f32
+            %23 = arith.bitcast %21 : i32 to f32
+            %24 = arith.mulf %22, %23 : f32
+            %25 = arith.mulf %23, %22 : f32
+            linalg.yield %24, %25 : f32, f32
+          } -> (tensor<3x64x4x16xf32>, tensor<3x64x4x16xf32>)
+          %12 = linalg.generic {indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d1)>], iterator_types = ["parallel", "parallel", "reduction", "reduction"]} ins(%11#0, %11#1, %3, %4 : tensor<3x64x4x16xf32>, tensor<3x64x4x16xf32>, tensor<3x4x16xbf16>, tensor<3x4x16xbf16>) outs(%8 : tensor<3x64xf32>) {
+          ^bb0(%in: f32, %in_0: f32, %in_1: bf16, %in_2: bf16, %out: f32):
+            %20 = arith.extf %in_1 : bf16 to f32
+            %21 = arith.mulf %in, %20 : f32
+            %22 = arith.extf %in_2 : bf16 to f32
+            %23 = arith.mulf %in_0, %22 : f32
+            %24 = arith.addf %21, %23 : f32
+            %25 = arith.addf %out, %24 : f32
+            linalg.yield %25 : f32
+          } -> tensor<3x64xf32>
+          iree_tensor_ext.dispatch.tensor.store %12, %o, offsets = [0, 0], sizes = [3, 64], strides = [1, 1] : tensor<3x64xf32> -> !iree_tensor_ext.dispatch.tensor<writeonly:tensor<3x64xf32>>
+          return
+        }
+      }
+    }
+  }
+  util.func public @g$async(%arg0: !hal.buffer_view) -> !hal.buffer_view {
+    %0 = stream.cmd.execute with() {
+      stream.cmd.dispatch @g_dispatch_0::@rocm_hsaco_fb::@g$async_dispatch_0_gather_8x64x4x16xi8_generic {
+      }
+    } => !stream.timepoint
+    util.return %arg0 : !hal.buffer_view
+  }
+}
+"""
+
+
+def test_a_gather_op_counts_the_slices_it_selects_and_the_gemv_its_two_products() -> None:
+    """An iree_linalg_ext.gather reads the slices its indices select (3 of the 8 experts' bytes and scales),
+    not the table; the GEMV summing a low and a high product per point counts 2 multiply-adds a point."""
+    ir = I.parse_sources(GATHERED_SOURCES, 1)
+    assert ir.calls["g$async"] == [(GATHERED_GEMV, (), ())]
+    d = ir.dispatch(GATHERED_GEMV, 1)
+    points = 3 * 64 * 4 * 16
+    assert d.gather and d.contraction and not d.multi_row and d.mnk == (64, 1, 64)
+    assert d.matmul_flops == 2 * 2 * points
+    assert d.flops == d.matmul_flops + 2 * points  # the decode's two mulf a point
+    assert d.bytes == 3 * 8 + 3 * 64 * 64 + 3 * 64 * 4 + 2 * 3 * 64 * 2 + 3 * 64 * 4
