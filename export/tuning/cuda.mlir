@@ -37,11 +37,11 @@ module @dsv4_cuda_tuning attributes {transform.with_named_sequence, iree_codegen
     transform.yield %root, %config : !transform.any_op, !transform.any_param
   }
 
-  // The gathered MXFP4 GEMV (quant.mlir.jinja, kernel_gemm / mxfp4_swiglu_gathered with one row a block: decode at
-  // batch 1 to 4): an expert's decoded low and high codes [G, N, K/32, 16] each (fused in: the gather of its bytes
-  // and their decode) x the row's even and odd elements [G, K/32, 16] -> [G, N] f32. A warp 4 rows, a lane a scale block of
-  // each (16 bytes, one load) a step: the row's activations read once for the 4. Without a config IREE makes the fused gather the dispatch's root and gives
-  // it one thread a row.
+  // The gathered MXFP4 GEMV (quant.mlir.jinja, kernel_gemm / mxfp4_swiglu_gathered with one row a block: decode
+  // at batch 1 to 4): an expert's decoded low and high codes [G, N, K/32, 16] each (fused in: the gather of its
+  // bytes and their decode) x the row's even and odd elements [G, K/32, 16] -> [G, N] f32. A warp (32 lanes) for 4
+  // rows, a lane a scale block (16 bytes, one load) of each a step, so the row's activations are read once for
+  // the 4. Without a config IREE makes the fused gather the dispatch's root and gives it one thread a row.
   transform.named_sequence @match_gathered_mxfp4_gemv(%root: !transform.any_op {transform.readonly}) -> (!transform.any_op, !transform.any_param) {
     transform.iree.match.has_no_lowering_config %root : !transform.any_op
     %ins, %outs = transform.iree.match.cast_compatible_dag_from_root %root {
