@@ -80,8 +80,10 @@ RULES: dict[str, Rule] = {
     # GPUs: 2 to 4 rows padded to 8; decode's one-row GEMVs read the bf16 copy made at load time, and so does
     # a prefill's GEMM, its rows padded to 64 (kernel_prefill_bf16: Flash-4 on the H200 fills 8 rows at 11.4k
     # instead of 8.2k tokens/s against FP8 x FP8). kernel_fp8_gemv (the GEMV reading the FP8 bytes: 0.4 GB
-    # less a Flash-4 step) made batch 1 18-25 % slower on two H100s (docs/performance.md, Timed on one H100)
-    "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_prefill_bf16"),
+    # less a Flash-4 step) made batch 1 18-25 % slower on two H100s (docs/performance.md, Timed on one H100), with
+    # the decode it had then; it now decodes e4m3fn through f32 subnormals, hence GPU targets only
+    "fp8_block_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_prefill_bf16",
+                             gpu_only=("kernel_fp8_gemv",)),
     "mxfp4_linear": Rule("kernel"),
     "f32_linear": Rule("kernel", batch_invariant="kernel_rows16", gpu="kernel_small_rows"),
     # wo_a: the kernel is 1.6x a Flash-4 prefill on the H200; batch-invariant exports keep the einsum,
@@ -90,7 +92,7 @@ RULES: dict[str, Rule] = {
     "fp8_block_linear_stacked": Rule("kernel", batch_invariant="kernel_rows16"),
     # GPUs: x quantized once, read for every e. Elsewhere the reference, the stacked kernel on an [E, M, K]
     # broadcast: the form llvm-cpu's and --batch-invariant's bitwise decode checks ran with
-    "fp8_block_linear_shared": Rule("reference", batch_invariant="reference", gpu="kernel"),
+    "fp8_block_linear_shared": Rule("reference", batch_invariant="reference", gpu="kernel", gpu_only=("kernel_fp8_gemv",)),
     # the f32 form's one-row (bs1) and 16-row-block (bs8+) GEMMs agree bit for bit; the bf16 GEMM's do not
     "mxfp4_linear_stacked": Rule("kernel", batch_invariant="kernel_f32"),
     # GPUs: the gather inside the GEMM's dispatch, no copy of the routed experts (batch-invariant exports
@@ -174,8 +176,9 @@ def plan_lowering(spec: "ExportSpec", cfg: Any) -> LoweringPlan:
     if not gpu_only:
         cpu_bad = [f"{n}={i}" for n, i in kernels.items() if i in RULES[n].gpu_only]
         if cpu_bad:
-            raise ValueError(f"--kernel {', '.join(cpu_bad)}: decodes MXFP4 through f32 subnormals, which IREE's llvm-cpu "
-                             f"runtime flushes to zero (codes +-0.5 would read as 0); GPU targets only")
+            raise ValueError(f"--kernel {', '.join(cpu_bad)}: decodes MXFP4 or FP8 through f32 subnormals, which IREE's "
+                             f"llvm-cpu runtime flushes to zero (MXFP4 codes +-0.5 and e4m3fn subnormals would read as 0); "
+                             f"GPU targets only")
     flags = {}
     for t in spec.targets:
         implied = [f for n, i in kernels.items() for f in RULES[n].gpu_flags.get(i, ())] if t.name != "llvm-cpu" else []

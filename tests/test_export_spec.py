@@ -206,12 +206,14 @@ def test_plan_per_target(targets, cfg, bi, choices, changes, flags):
 
 
 @pytest.mark.parametrize("targets", [("llvm-cpu",), ("llvm-cpu", "cuda")])
-@pytest.mark.parametrize("choice", [{"mxfp4_linear_gathered": "kernel_gemm"}, {"mxfp4_swiglu_gathered": "kernel"}])
+@pytest.mark.parametrize("choice", [{"mxfp4_linear_gathered": "kernel_gemm"}, {"mxfp4_swiglu_gathered": "kernel"},
+                                    {"fp8_block_linear": "kernel_fp8_gemv"}, {"fp8_block_linear_shared": "kernel_fp8_gemv"}])
 def test_plan_refuses_the_subnormal_decodes_beside_llvm_cpu(targets, choice):
-    """The gathered GEMMs' MXFP4 decode passes through f32 subnormals, which IREE's CPU runtime flushes:
-    an export with an llvm-cpu target refuses them, by name, instead of reading codes +-0.5 as 0."""
+    """The gathered GEMMs' MXFP4 decode and the FP8 GEMV's e4m3fn decode pass through f32 subnormals, which
+    IREE's CPU runtime flushes: an export with an llvm-cpu target refuses them, by name, instead of reading
+    MXFP4 codes +-0.5 or e4m3fn subnormals as 0."""
     op, impl = next(iter(choice.items()))
-    with pytest.raises(ValueError, match=f"{op}={impl}: decodes MXFP4 through f32 subnormals.*GPU targets only"):
+    with pytest.raises(ValueError, match=f"{op}={impl}: decodes MXFP4 or FP8 through f32 subnormals.*GPU targets only"):
         plan_lowering(ExportSpec(targets=targets, kernels=choice), TINY)
 
 

@@ -237,6 +237,9 @@ def test_quant_template_fp8_linear(kernel_compile, tmp_path, form: str) -> None:
     # so a wrong decode of them is not lost in the rounding of a sum over the large codes
     c = RNG.permuted(np.tile(np.r_[0:127, 128:255, 0, 128], (128, 1)), axis=1)
     c = np.concatenate([c, RNG.choice(np.r_[0:8, 128:136], (128, 256))]).astype(np.uint8)
+    if form == "kernel_fp8_gemv":  # it decodes e4m3fn subnormals through f32 ones, which llvm-cpu flushes: here
+        # they become the smallest normals (+-8 .. +-15 x 2^-9); test_e4m3fn_f32_subnormal_is_exact_with_subnormals
+        c = np.where(((c & 0x78) == 0) & ((c & 7) != 0), c | 8, c).astype(np.uint8)
     wc = torch.from_numpy(c).view(torch.float8_e4m3fn)
     wcd = wc.double().numpy() * np.kron(np.ldexp(1.0, s.numpy().astype(np.int64) - 127), np.ones((128, 128)))
     cases = {"lin": (fp8_block_linear, (w, s), [x], {"fp8_block_linear": form}),
@@ -305,6 +308,39 @@ def test_e2m1_f32_subnormal_is_exact_with_subnormals() -> None:
     with np.errstate(over="ignore"):  # inf past bf16's range, as the f32 product
         ref = (want[:, None] * np.ldexp(1.0, s - 127)[None, :]).astype(ml_dtypes.bfloat16)
     assert (got.view(np.uint16) == ref.view(np.uint16)).all()
+
+
+def test_e4m3fn_f32_subnormal_is_exact_with_subnormals() -> None:
+    """quant.mlir.jinja's e4m3fn_f32_subnormal (kernel_fp8_gemv's decode): the sign-extended byte shifted by 20
+    and masked with 0x87F00000, read as f32, times 2^120, is every finite e4m3fn code's value where subnormals
+    are kept (numpy; the GPUs), subnormals and -0 included; the NaN codes (0x7F, 0xFF) read +-480, which the
+    GEMV replaces by NaN; times every E8M0 scale it is the exact float64 product (f32)."""
+    import re
+
+    import ml_dtypes
+
+    from dsv4.model.kernels import KERNELS
+
+    text = KERNELS["fp8_block_linear"].mlir_template()
+    macro = re.search(r"macro e4m3fn_f32_subnormal.*?endmacro", text, re.S).group(0)
+    shift, mask = (int(re.search(rf"_{n} = arith.constant (-?\d+) : i32", macro).group(1)) for n in ("k20", "mask"))
+    assert (shift, mask & 0xFFFFFFFF) == (20, 0x87F00000) and "arith.extsi" in macro
+    assert "%_two120 = arith.constant 0x7B800000 : f32" in text and "%_w480 = arith.constant 480.0 : f32" in text
+    codes = np.arange(256, dtype=np.uint8)
+    bits = (codes.view(np.int8).astype(np.int32) << shift) & np.int32(mask)
+    v = bits.view(np.float32) * np.float32(2.0 ** 120)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    nan = (codes & 0x7F) == 0x7F
+    assert np.isnan(want[nan]).all() and (np.abs(v[nan]) == 480).all() and (np.abs(v[~nan]) != 480).all()
+    assert (v[~nan].astype(np.float64) == want[~nan]).all() and (np.signbit(v) == (codes >= 128)).all()
+    assert (v[(codes & 0x78) == 0] != 0).sum() == 14  # the subnormals, read as such
+    s = np.arange(255)
+    scale = np.ldexp(np.float32(1.0), s - 127).astype(np.float32)  # 2^-127 is an f32 subnormal
+    with np.errstate(over="ignore"):
+        prod = v[~nan][:, None] * scale[None, :]
+        exact = want[~nan][:, None] * np.ldexp(1.0, s - 127)[None, :]
+        finite = np.isfinite(exact.astype(np.float32))  # inf past f32's range, as the f32 product
+    assert (prod.astype(np.float64)[finite] == exact[finite]).all() and np.isinf(prod[~finite]).all()
 
 
 @pytest.mark.parametrize("form", ["kernel", "kernel_f32"])

@@ -74,9 +74,10 @@ _ROWS16 = {"kernel_rows16": {"row_tile": 16}}
 # take the matrix cores, one row is a GEMV. llvm-cpu keeps the unpadded form: padded, its decode_bs4 no
 # longer agreed bit for bit with decode_bs1 (tests/test_batch_invariance.py, the embedded default)
 SMALL_ROWS = {"kernel_small_rows": {"small_row_tile": 8}}
-# "kernel_fp8_gemv" (the FP8 linears, by `--kernel`; slower than the default at batch 1 on the H100): kernel_small_rows, and a one-row GEMV (decode
+# "kernel_fp8_gemv" (the FP8 linears, by `--kernel`, GPU targets only): kernel_small_rows, and a one-row GEMV (decode
 # at batch 1) decodes the FP8 weight inside its own dispatch, reading 1 byte a weight plus the block scales, where
-# the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Same values and products
+# the other forms read the bf16 copy the compiler hoists to load time (2 bytes a weight). Exact f32 products (the
+# copy rounds those below 2^-126 to bf16); e4m3fn decodes through f32 subnormals (docs/kernels.md)
 FP8_GEMV = {"kernel_fp8_gemv": {**SMALL_ROWS["kernel_small_rows"], "fp8_gemv": True}}
 # "kernel_prefill_bf16" (the FP8 linear): kernel_small_rows, and a prefill (dynamic rows) takes the dequantized
 # bf16 GEMM with its rows padded to 64 (matrix cores) instead of FP8 x FP8, the weight's bf16 decode hoisted
