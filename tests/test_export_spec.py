@@ -207,7 +207,7 @@ def test_plan_per_target(targets, cfg, bi, choices, changes, flags):
 
 @pytest.mark.parametrize("targets", [("llvm-cpu",), ("llvm-cpu", "cuda")])
 @pytest.mark.parametrize("choice", [{"mxfp4_linear_gathered": "kernel_gemm"}, {"mxfp4_swiglu_gathered": "kernel"},
-                                    {"fp8_block_linear": "kernel_fp8_gemv"}, {"fp8_block_linear_shared": "kernel_fp8_gemv"}])
+                                    {"fp8_block_linear": "kernel_fp8_gemv"}])
 def test_plan_refuses_the_subnormal_decodes_beside_llvm_cpu(targets, choice):
     """The gathered GEMMs' MXFP4 decode and the FP8 GEMV's e4m3fn decode pass through f32 subnormals, which
     IREE's CPU runtime flushes: an export with an llvm-cpu target refuses them, by name, instead of reading
